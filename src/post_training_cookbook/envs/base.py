@@ -1,0 +1,106 @@
+"""The environment contract: what the training loop needs from a task, a tool and an env.
+
+The env owns the conversation history, tool dispatch and the rule for when an episode
+ends; the loop owns tokenization and sampling. One episode:
+
+    messages = await env.reset(task)
+    while True:
+        message = <the policy samples one assistant message>
+        result = await env.step(message)
+        if result.terminated or result.truncated:
+            break
+    await env.close()
+
+Only the final ``StepResult``'s ``reward`` and ``metrics`` are read.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from post_training_cookbook.types import Message, ToolSpec
+
+
+@dataclass(frozen=True)
+class Task:
+    """The spec of one episode: what the user asks, the expected answer, and anything else."""
+
+    prompt: str
+    target: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """What a tool returns. ``should_stop`` asks the env to end the episode; the env decides."""
+
+    content: str
+    should_stop: bool = False
+
+
+@dataclass
+class StepResult:
+    """What ``Env.step`` returns.
+
+    ``terminated``: task logic ended the episode (e.g. a final answer).
+    ``truncated``: it was cut short for another reason (e.g. the env's own turn limit).
+    ``reward`` and ``metrics`` are read only from the step that ends the episode.
+    """
+
+    terminated: bool
+    truncated: bool
+    messages: list[Message]
+    reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Tool(Protocol):
+    """Anything with a name, a description, a JSON schema for its arguments and ``execute``."""
+
+    name: str
+    description: str
+    parameters_schema: dict[str, Any]
+
+    async def execute(self, arguments: str) -> ToolResult:
+        """Run the tool on its arguments, a JSON object encoded as a string."""
+        ...
+
+
+class Env(abc.ABC):
+    """One episode of a multi-turn conversation with tools. Build a fresh env per episode."""
+
+    @abc.abstractmethod
+    async def reset(self, task: Task) -> list[Message]:
+        """Start an episode on ``task``; return the opening messages (system, user, ...)."""
+
+    @abc.abstractmethod
+    async def step(self, message: Message) -> StepResult:
+        """Take the policy's assistant message, run its tool calls, say whether the episode ended."""
+
+    @property
+    @abc.abstractmethod
+    def tool_specs(self) -> list[ToolSpec]:
+        """The tools the chat template renders into the prompt."""
+
+    @property
+    @abc.abstractmethod
+    def messages(self) -> list[Message]:
+        """The conversation so far."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release what ``reset`` started. Called once per episode end, for every cause."""
+
+
+def tool_to_spec(tool: Tool) -> ToolSpec:
+    """The OpenAI function-tool schema of ``tool``."""
+    return {
+        "type": "function",
+        "function": {
+            "name": tool.name,
+            "description": tool.description,
+            "parameters": tool.parameters_schema,
+        },
+    }
