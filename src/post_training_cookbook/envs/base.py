@@ -78,7 +78,7 @@ class Env(abc.ABC):
 
     @abc.abstractmethod
     async def step(self, message: Message) -> StepResult:
-        """Take the policy's assistant message, run its tool calls, say whether the episode ended."""
+        """Take the assistant message, run its tool calls, say whether the episode ended."""
 
     @property
     @abc.abstractmethod
