@@ -1,0 +1,182 @@
+"""Build the bundled tool-use model from scratch, reproducibly, on CPU.
+
+    python scripts/build_bundled_model.py            # ~40-60 min on 2 cores
+
+1. Play the tool-use game's TRAIN split with the imperfect teacher
+   (``envs/tool_use_game/teacher.py``) to get conversations.
+2. Train a byte-level BPE tokenizer on those conversations, rendered by the Hermes chat
+   template. Entity names are split into their syllables and digits into single tokens, so
+   the tokenizer cannot memorise names or numbers (validation entities are never seen).
+3. Initialise a small Qwen2 model and fine-tune it with ``post_training_cookbook.sft``
+   (assistant tokens only).
+4. Save weights (safetensors), tokenizer and chat template to the package, then measure
+   calibration on the VALIDATION split with ``scripts/calibrate_bundled_model.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils.chat_template_utils import render_jinja_template
+
+from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
+from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
+from post_training_cookbook.envs.tool_use_game.teacher import BUNDLED_MODEL_TEACHER, play_episode
+from post_training_cookbook.envs.tool_use_game.world import SYLLABLES
+from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR
+from post_training_cookbook.sft import SFTConfig, SFTStepLog, tokenize_conversations, train_sft
+from post_training_cookbook.types import Message, ToolSpec
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+Conversation = tuple[list[Message], list[ToolSpec]]
+
+
+def teacher_conversations(num_episodes: int, seed: int) -> list[Conversation]:
+    """Teacher episodes on the train split, cycling through its tasks in shuffled order."""
+    rng = random.Random(seed)
+    tasks = list(TOOL_USE_GAME_TRAIN_TASKS)
+
+    async def play_all() -> list[Conversation]:
+        conversations = []
+        for index in range(num_episodes):
+            if index % len(tasks) == 0:
+                rng.shuffle(tasks)
+            env = ToolUseGameEnv()
+            messages, _ = await play_episode(
+                env, tasks[index % len(tasks)], rng, BUNDLED_MODEL_TEACHER
+            )
+            conversations.append((messages, env.tool_specs))
+        return conversations
+
+    return asyncio.run(play_all())
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Byte-level BPE without word boundaries: template boilerplate compresses into few
+    tokens, while names (syllables) and numbers (digits) always split the same way."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex("|".join(SYLLABLES)), behavior="isolated"),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS + TEMPLATE_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        max_token_length=48,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=HERMES_CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+    return wrapped
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=640,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        initializer_range=0.02,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=BUNDLED_MODEL_DIR)
+    parser.add_argument("--episodes", type=int, default=60_000)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint-every", type=int, default=400)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.time()
+
+    conversations = teacher_conversations(args.episodes, args.seed)
+    print(f"[build] {len(conversations)} teacher episodes ({time.time() - started:.0f}s)")
+    texts = [
+        render_jinja_template([messages], tools=tools, chat_template=HERMES_CHAT_TEMPLATE)[0][0]
+        for messages, tools in conversations[:5000]
+    ]
+    tokenizer = train_tokenizer(texts, args.vocab_size)
+    codec = get_codec("hermes", tokenizer, default_system=None)
+    examples = tokenize_conversations(codec, conversations)
+    lengths = sorted(len(example.tokens) for example in examples)
+    trained = sum(sum(example.mask) for example in examples)
+    print(
+        f"[build] tokenizer: {len(tokenizer)} tokens; episode tokens median "
+        f"{lengths[len(lengths) // 2]}, max {lengths[-1]}; trained share "
+        f"{trained / sum(lengths):.2f} ({time.time() - started:.0f}s)"
+    )
+
+    model = build_model(tokenizer, args.seed)
+    print(f"[build] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    config = SFTConfig(
+        learning_rate=args.learning_rate,
+        batch_size=args.batch_size,
+        num_steps=args.steps,
+        warmup_steps=min(50, args.steps // 10),
+        seed=args.seed,
+        autocast_bf16=args.bf16,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def on_step(log: SFTStepLog) -> None:
+        if log.step % 50 == 0 or log.step == config.num_steps - 1:
+            print(
+                f"[sft] step {log.step:5d} loss {log.loss:.4f} lr {log.learning_rate:.2e} "
+                f"grad {log.grad_norm:.2f} ({time.time() - started:.0f}s)",
+                flush=True,
+            )
+        if (log.step + 1) % args.checkpoint_every == 0:
+            save(model, tokenizer, args.out / "checkpoints" / f"step_{log.step + 1}")
+
+    train_sft(model, examples, config, pad_token_id=tokenizer.pad_token_id, on_step=on_step)
+    save(model, tokenizer, args.out)
+    (args.out / "build_args.json").write_text(json.dumps(vars(args), default=str, indent=2))
+    print(f"[build] saved to {args.out} ({time.time() - started:.0f}s)")
+
+
+def save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

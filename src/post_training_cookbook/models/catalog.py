@@ -1,0 +1,164 @@
+"""The model catalog: which models the cookbook knows, and what each can do.
+
+A model id is a catalog id (``list_models()``) or the path of a local Hugging Face folder
+(``config.json``, weights, a tokenizer with a chat template). Everything here is decided
+from metadata alone, so a bad model choice fails before any weights load.
+
+Generator support vs trainer-only: GRPO samples while it trains, so it needs a model whose
+chat template renders tools and whose tool calls a codec can parse. A trainer-only model can
+still be fine-tuned with ``post_training_cookbook.sft``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
+
+TRAINING_MODES = ("lora", "full")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    source: str
+    """A local folder, or a Hugging Face hub id (needs access to the hub or its cache)."""
+    codec: str | None
+    """Codec name (see ``post_training_cookbook.codecs``); None = inferred from the template."""
+    generator_support: bool
+    max_context: int
+    """Longest prompt + completion one episode may hold."""
+    training_modes: tuple[str, ...] = TRAINING_MODES
+    default_dtype: str = "bfloat16"
+    codec_options: dict[str, Any] = field(default_factory=dict)
+    trainer_only_reason: str = ""
+    description: str = ""
+
+    @property
+    def trainer_only(self) -> bool:
+        return not self.generator_support
+
+    @property
+    def is_local(self) -> bool:
+        return Path(self.source).is_dir()
+
+
+_QWEN3_NOTE = "Qwen3: thinking on by default (codec option enable_thinking)"
+CATALOG: dict[str, ModelInfo] = {
+    info.model_id: info
+    for info in [
+        ModelInfo(
+            model_id=BUNDLED_MODEL_ID,
+            source=str(BUNDLED_MODEL_DIR),
+            codec="hermes",
+            codec_options={"default_system": None},
+            generator_support=True,
+            max_context=2048,
+            default_dtype="float32",
+            description="3M-parameter Qwen2 tool-use model shipped in the package (no download)",
+        ),
+        ModelInfo("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "hermes",
+                  True, 32768, description="Qwen2.5 instruct, Hermes tool calls"),
+        ModelInfo("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-1.5B-Instruct", "hermes",
+                  True, 32768, description="Qwen2.5 instruct, Hermes tool calls"),
+        ModelInfo("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-7B-Instruct", "hermes",
+                  True, 32768, description="Qwen2.5 instruct, Hermes tool calls"),
+        ModelInfo("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", "qwen3", True, 40960,
+                  description=_QWEN3_NOTE),
+        ModelInfo("Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B", "qwen3", True, 40960,
+                  description=_QWEN3_NOTE),
+        ModelInfo("Qwen/Qwen3-8B", "Qwen/Qwen3-8B", "qwen3", True, 40960,
+                  description=_QWEN3_NOTE),
+        ModelInfo(
+            "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+            None, False, 8192,
+            trainer_only_reason="its chat template drops tools and it emits no tool calls",
+            description="SmolLM2 instruct; SFT only",
+        ),
+    ]
+}  # fmt: skip
+
+
+def list_models() -> list[ModelInfo]:
+    """Every catalog entry, the bundled model first."""
+    return list(CATALOG.values())
+
+
+def resolve_model(model: str, *, codec: str | None = None) -> ModelInfo:
+    """The catalog entry for ``model``, or an entry describing a local Hugging Face folder.
+
+    A local folder has generator support when a codec is named or can be inferred from its
+    tokenizer's chat template (``<tool_call>`` → hermes, ``<think>`` → qwen3).
+    """
+    if model in CATALOG:
+        info = CATALOG[model]
+        if codec is not None and codec != info.codec:
+            info = _with(info, codec=codec, generator_support=True, trainer_only_reason="")
+        return info
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        known = ", ".join(CATALOG)
+        raise ValueError(
+            f"unknown model {model!r}: not a catalog id ({known}) "
+            "and not a local folder with a config.json"
+        )
+    return _local_model_info(folder, codec)
+
+
+def require_generator_support(info: ModelInfo) -> None:
+    """Raise a ``ValueError`` naming the model when it cannot sample (GRPO needs that)."""
+    if info.generator_support:
+        return
+    usable = ", ".join(i.model_id for i in list_models() if i.generator_support)
+    raise ValueError(
+        f"model {info.model_id!r} is trainer-only ({info.trainer_only_reason}); GRPO samples "
+        f"while training and needs a model with generator support, such as: {usable}"
+    )
+
+
+def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
+    config = json.loads((folder / "config.json").read_text())
+    template = _chat_template_text(folder)
+    inferred = codec or _infer_codec_name(template)
+    reason = "" if inferred else "no codec given and none inferred from its chat template"
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return ModelInfo(
+        model_id=str(folder),
+        source=str(folder),
+        codec=inferred,
+        generator_support=inferred is not None,
+        max_context=int(config.get("max_position_embeddings", 2048)),
+        default_dtype=dtype,
+        trainer_only_reason=reason,
+        description=f"local {config.get('model_type', 'causal LM')} folder",
+    )
+
+
+def _chat_template_text(folder: Path) -> str:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tokenizer_config = folder / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        template = json.loads(tokenizer_config.read_text()).get("chat_template", "")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            return " ".join(str(entry.get("template", "")) for entry in template)
+        return str(template or "")
+    return ""
+
+
+def _infer_codec_name(template: str) -> str | None:
+    if "<think>" in template:
+        return "qwen3"
+    if "<tool_call>" in template:
+        return "hermes"
+    return None
+
+
+def _with(info: ModelInfo, **changes: Any) -> ModelInfo:
+    from dataclasses import replace
+
+    return replace(info, **changes)
