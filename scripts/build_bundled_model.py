@@ -25,7 +25,13 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
@@ -172,9 +178,42 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[build] saved to {args.out} ({time.time() - started:.0f}s)")
 
 
+def as_llama(model: Qwen2ForCausalLM) -> LlamaForCausalLM:
+    """The same network as a ``LlamaForCausalLM`` (Qwen2 = Llama with q/k/v biases).
+
+    Why: transformers 5 loads any ``qwen2``-type folder's tokenizer as ``Qwen2Tokenizer``,
+    which replaces the pre-tokenizer with Qwen's, so ``AutoTokenizer`` would silently
+    tokenize differently from the tokenizer trained here. A ``llama``-type folder keeps it.
+    """
+    qwen = model.config
+    config = LlamaConfig(
+        vocab_size=qwen.vocab_size,
+        hidden_size=qwen.hidden_size,
+        intermediate_size=qwen.intermediate_size,
+        num_hidden_layers=qwen.num_hidden_layers,
+        num_attention_heads=qwen.num_attention_heads,
+        num_key_value_heads=qwen.num_key_value_heads,
+        max_position_embeddings=qwen.max_position_embeddings,
+        rms_norm_eps=qwen.rms_norm_eps,
+        rope_parameters=qwen.rope_parameters,
+        tie_word_embeddings=True,
+        attention_bias=True,  # Qwen2's q/k/v biases; o_proj's bias is zero
+        bos_token_id=qwen.bos_token_id,
+        eos_token_id=qwen.eos_token_id,
+        pad_token_id=qwen.pad_token_id,
+    )
+    llama = LlamaForCausalLM(config)
+    state = dict(model.state_dict())
+    for name, tensor in llama.state_dict().items():
+        if name.endswith("o_proj.bias"):
+            state[name] = torch.zeros_like(tensor)
+    llama.load_state_dict(state, strict=True)
+    return llama.eval()
+
+
 def save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    as_llama(model).save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
 

@@ -1,0 +1,255 @@
+"""The KV cache of the rows being decoded, in a layout a Hugging Face model attends over as is.
+
+Per layer, keys and values live in one buffer ``[row_capacity, kv_heads, col_capacity,
+head_dim]``. Live rows are ``0 .. rows-1``. Every row writes its next token at the same
+column, ``cols`` (the decode column), so a decode step is one ``[rows, 1]`` forward with
+no re-padding; the buffer is preallocated, so a step copies no old keys either (Hugging
+Face's ``DynamicCache`` concatenates, i.e. copies the whole cache, every step). A row's
+tokens sit at increasing columns, left-padded, with holes where a batched prefill padded
+its prompt; ``valid`` marks the columns that hold a token, and positions are explicit per
+row, so the column a token sits in never changes what the model computes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+ATTENTION_NAME = "post_training_cookbook_engine"
+
+
+def engine_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Decode attention (one query per row) that groups query heads instead of copying KV heads.
+
+    HF's SDPA path repeats the KV heads (a copy of the whole cache) whenever a mask is given,
+    and CPU SDPA in bf16 is slow for one query; prefill and unusual attention go to SDPA.
+    Measured on CPU (32 rows, 100-250 keys): fp32 on par with SDPA, bf16 2-8x faster.
+    """
+    unusual = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window"))
+    if query.shape[2] != 1 or attention_mask is None or unusual:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    if key.dtype != torch.float32:
+        # CPU bf16 matmul takes a slow path on a strided window; a contiguous copy is cheaper.
+        key, value = key.contiguous(), value.contiguous()
+    scale = scaling if scaling is not None else dim**-0.5
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale + attention_mask
+    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION_NAME, engine_attention)
+
+
+def _capacity(current: int, needed: int, minimum: int) -> int:
+    """Keep the capacity while it fits, else the next power of two (amortised growth)."""
+    if needed <= current:
+        return current
+    return max(minimum, 1 << (needed - 1).bit_length())
+
+
+class KVBatch:
+    """Keys, values, valid columns, positions and next input token of the live rows."""
+
+    def __init__(self, num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        # Allocated on first write, when the model shows its KV head count and head size.
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.rows = 0
+        self.cols = 0
+        self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # next position id
+        self.next_tokens = torch.zeros(0, dtype=torch.long, device=device)  # next input id
+
+    @property
+    def row_capacity(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def col_capacity(self) -> int:
+        return self.valid.shape[1]
+
+    def first_col(self, rows: slice) -> int:
+        """The first column any of ``rows`` uses: attention need not look further left."""
+        used = self.valid[rows, : self.cols].any(0)
+        return int(used.int().argmax()) if bool(used.any()) else self.cols
+
+    def reserve(self, new_rows: int, left_cols: int) -> None:
+        """Make room for ``new_rows`` rows, ``left_cols`` columns left of the decode column, and
+        one decode column; drops dead columns on the left when it has to move data anyway."""
+        rows_fit = self.rows + new_rows <= self.row_capacity
+        if rows_fit and left_cols <= self.cols and self.cols < self.col_capacity:
+            return
+        start = self.first_col(slice(0, self.rows))
+        used = self.cols - start
+        cols = max(used, left_cols)
+        if rows_fit and self.rows == 0 and cols < self.col_capacity:
+            self.cols = cols  # nothing live to move: reuse the buffers
+            return
+        # A quarter of headroom, so that compaction does not repeat every step.
+        col_capacity = _capacity(self.col_capacity, cols + 1 + cols // 4, minimum=64)
+        row_capacity = _capacity(self.row_capacity, self.rows + new_rows, minimum=4)
+        self._relayout(row_capacity, col_capacity, start, offset=cols - used)
+
+    def _relayout(self, row_capacity: int, col_capacity: int, start: int, offset: int) -> None:
+        """Copy live columns ``[start, cols)`` to ``[offset, ...)`` of fresh buffers."""
+        used, rows = self.cols - start, self.rows
+        new = slice(offset, offset + used)
+        for store in (self.keys, self.values):
+            for layer, old in enumerate(store):
+                if old is not None:
+                    # zeros, not empty: a masked slot has weight 0, and 0 * NaN would still be NaN.
+                    buffer = old.new_zeros(row_capacity, old.shape[1], col_capacity, old.shape[3])
+                    buffer[:rows, :, new] = old[:rows, :, start : self.cols]
+                    store[layer] = buffer
+        valid = torch.zeros(row_capacity, col_capacity, dtype=torch.bool, device=self.device)
+        valid[:rows, new] = self.valid[:rows, start : self.cols]
+        self.valid = valid
+        self.positions = _resized(self.positions, row_capacity, rows)
+        self.next_tokens = _resized(self.next_tokens, row_capacity, rows)
+        self.cols = offset + used
+
+    def add_rows(self, count: int) -> int:
+        """Append ``count`` empty rows (capacity must be reserved); returns the first index."""
+        first = self.rows
+        self.rows += count
+        self.valid[first : self.rows] = False
+        return first
+
+    def remove_rows(self, dead: list[int]) -> list[tuple[int, int]]:
+        """Drop ``dead`` rows by moving the last live rows into their slots; returns the moves."""
+        dead_set = set(dead)
+        keep = self.rows - len(dead_set)
+        holes = [row for row in sorted(dead_set) if row < keep]
+        movers = [row for row in range(keep, self.rows) if row not in dead_set]
+        if holes:
+            self.copy_rows(movers, holes)
+        self.valid[keep : self.rows] = False
+        self.rows = keep
+        if keep == 0:
+            self.cols = 0  # nothing live: start a fresh layout in the same buffers
+        return list(zip(movers, holes, strict=True))
+
+    def copy_rows(self, sources: list[int], targets: list[int]) -> None:
+        lo = self.first_col(slice(0, self.rows))
+        for store in (self.keys, self.values):
+            for buffer in store:
+                if buffer is not None:
+                    buffer[targets, :, lo : self.cols] = buffer[sources, :, lo : self.cols]
+        self.valid[targets] = self.valid[sources]
+        self.positions[targets] = self.positions[sources]
+        self.next_tokens[targets] = self.next_tokens[sources]
+
+    def write(
+        self, layer: int, rows: slice, cols: slice, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        if self.keys[layer] is None:
+            shape = (self.row_capacity, keys.shape[1], self.col_capacity, keys.shape[3])
+            self.keys[layer] = keys.new_zeros(shape)
+            self.values[layer] = values.new_zeros(shape)
+        self._buffer(self.keys, layer)[rows, :, cols] = keys
+        self._buffer(self.values, layer)[rows, :, cols] = values
+
+    def window(
+        self, layer: int, rows: slice, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self._buffer(self.keys, layer)[rows, :, lo:hi]
+        return keys, self._buffer(self.values, layer)[rows, :, lo:hi]
+
+    def write_prefix(
+        self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], end: int
+    ) -> None:
+        """Put cached per-layer ``[kv_heads, length, head_dim]`` KV in the columns before end."""
+        length = keys[0].shape[1]
+        cols = slice(end - length, end)
+        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.write(layer, slice(row, row + 1), cols, k[None], v[None])
+        self.valid[row, cols] = True
+
+    def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A copy of one row's KV, valid columns only: ``[kv_heads, tokens, head_dim]`` a layer."""
+        mask = self.valid[row, : self.cols]
+        keys = [
+            self._buffer(self.keys, i)[row, :, : self.cols][:, mask] for i in range(len(self.keys))
+        ]
+        values = [
+            self._buffer(self.values, i)[row, :, : self.cols][:, mask]
+            for i in range(len(self.values))
+        ]
+        return keys, values
+
+    def attention_bias(self, rows: slice, lo: int, hi: int, queries: int) -> torch.Tensor:
+        """Additive mask ``[rows, 1, queries, hi - lo]``: 0 where a query may look, min elsewhere.
+
+        The queries sit in columns ``[hi - queries, hi)``; a key is visible when its column is
+        valid and not to the right of the query (columns grow with positions within a row).
+        """
+        allowed = self.valid[rows, lo:hi][:, None, None, :]
+        if queries > 1:
+            key_cols = torch.arange(lo, hi, device=self.device)
+            query_cols = torch.arange(hi - queries, hi, device=self.device)
+            allowed = allowed & (key_cols[None, :] <= query_cols[:, None])
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)
+        return bias.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    @staticmethod
+    def _buffer(store: list[torch.Tensor | None], layer: int) -> torch.Tensor:
+        buffer = store[layer]
+        if buffer is None:
+            raise RuntimeError(f"layer {layer} has no KV yet; the model skipped the cache")
+        return buffer
+
+
+def _resized(tensor: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
+    out = tensor.new_zeros(capacity)
+    out[:keep] = tensor[:keep]
+    return out
+
+
+class WindowCache(Cache):
+    """``past_key_values`` for one forward: rows ``rows`` of a KVBatch, columns ``[lo, hi)``,
+    the new tokens being written to the last columns of that window."""
+
+    def __init__(self, batch: KVBatch, num_layers: int) -> None:
+        super().__init__(layers=[_WindowLayer(self, i) for i in range(num_layers)])
+        self.batch = batch
+        self.rows, self.lo, self.hi, self.past = slice(0, 0), 0, 0, 0
+
+    def set_window(self, rows: slice, lo: int, hi: int, queries: int) -> None:
+        self.rows, self.lo, self.hi, self.past = rows, lo, hi, hi - queries - lo
+
+
+class _WindowLayer(DynamicLayer):
+    def __init__(self, owner: WindowCache, index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = self.owner
+        new_cols = slice(owner.hi - key_states.shape[2], owner.hi)
+        owner.batch.write(self.index, owner.rows, new_cols, key_states, value_states)
+        return owner.batch.window(self.index, owner.rows, owner.lo, owner.hi)
+
+    def get_seq_length(self) -> int:
+        return self.owner.past

@@ -1,0 +1,59 @@
+"""The records that cross the engine's edge: how to sample, and what one sample is.
+
+Log-probabilities are always those of the distribution the token was actually drawn from:
+temperature first, then top-k, then top-p, renormalised. Greedy sampling (temperature 0)
+draws from nothing, so its log-probabilities are those of the untempered, unfiltered
+softmax (temperature 1). A trainer that compares sampler and learner log-probabilities at
+temperature 1 gets equal numbers only for temperature-1, unfiltered sampling; for anything
+else it should use ``raw_logprobs``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion; ``ValueError`` names the field that is out of range."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # keep the smallest set of most likely tokens whose mass reaches top_p
+    top_k: int = 0  # 0 = off
+    stop_token_ids: tuple[int, ...] = ()  # a sampled stop token ends the sequence and is kept
+    seed: int | None = None  # same seed, same prompt, same weights: same tokens, whatever else runs
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if any(token < 0 for token in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids}")
+
+
+@dataclass(frozen=True)
+class PolicySegment:
+    """Tokens from index ``start_token`` of ``SampledSequence.tokens`` on came from ``version``."""
+
+    start_token: int
+    version: int
+
+
+@dataclass
+class SampledSequence:
+    """One completion. ``policy_segments`` has one entry unless weights changed mid-sequence."""
+
+    tokens: list[int]  # sampled ids, the stop token included when one was hit
+    logprobs: list[float]  # log p of each token under the distribution it was sampled from
+    stop_reason: Literal["stop", "length"]
+    policy_segments: list[PolicySegment]
+    # log p of each token under the plain softmax of the logits (temperature 1, no top-k/top-p)
+    # of the weights that sampled it; empty when the engine does not report it.
+    raw_logprobs: list[float] = field(default_factory=list)

@@ -1,0 +1,167 @@
+"""``LocalModelService``: the trainer and the generators in this process (CPU or CUDA).
+
+The trainer holds fp32 master weights (LoRA via peft, or full weight). Each generator is a
+``LocalEngine`` with its own inference copy. Trainer operations run in a worker thread, so
+the event loop — environments, tools, sampling requests — keeps going while they compute.
+
+Weight sync modes:
+- SYNCHRONOUS: merged weights are handed to every engine, and the call returns once they
+  sample with them (sequences in flight finish first under the old weights).
+- BACKGROUND_PUBLISH: returns at once; engines finish what is in flight under the old
+  version, then switch. Until then ``policy_state().pending_publish`` is true.
+- PIPELINE: returns at once; engines switch between two decode steps, and sequences in
+  flight go on under the new weights (their ``policy_segments`` record the switch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from post_training_cookbook.engine.local import LocalEngine
+from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.models.loading import load_model
+from post_training_cookbook.service.base import ModelService, PathLike
+from post_training_cookbook.service.trainer import Trainer
+from post_training_cookbook.service.types import (
+    ForwardBackwardResult,
+    LossConfig,
+    OptimStepResult,
+    PolicyState,
+    TrainingSample,
+    WeightSyncType,
+)
+
+_ENGINE_MODES = {
+    WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS: "drain",
+    WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH: "drain",
+    WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE: "pipeline",
+}
+
+
+class LocalModelService(ModelService):
+    def __init__(
+        self,
+        info: ModelInfo,
+        trainer: Trainer,
+        *,
+        num_generator_replicas: int = 1,
+        engine_dtype: torch.dtype | None = None,
+        max_batch_size: int = 64,
+    ) -> None:
+        """Build it with ``create`` unless you already hold a ``Trainer``."""
+        if num_generator_replicas < 1:
+            raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
+        self.info = info
+        self.trainer = trainer
+        weights = load_model(info, torch.float32)
+        weights.load_state_dict(trainer.state_dict_for_inference(), strict=False)
+        self.engines = [
+            LocalEngine(weights, dtype=engine_dtype, max_batch_size=max_batch_size)
+            for _ in range(num_generator_replicas)
+        ]
+        self._in_flight = [0] * num_generator_replicas
+        self._target_version = trainer.version
+        self._publishing: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    def create(
+        cls,
+        info: ModelInfo,
+        *,
+        use_lora: bool,
+        num_generator_replicas: int = 1,
+        engine_dtype: torch.dtype | None = None,
+        **trainer_options: object,
+    ) -> LocalModelService:
+        """Load ``info``'s weights into a trainer (options go to ``Trainer``) and generators."""
+        trainer = Trainer(info.source, use_lora=use_lora, **trainer_options)  # type: ignore[arg-type]
+        return cls(
+            info, trainer, num_generator_replicas=num_generator_replicas, engine_dtype=engine_dtype
+        )
+
+    async def sample(
+        self, prompt_tokens: list[int], n: int, params: SamplingParams
+    ) -> list[SampledSequence]:
+        replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
+        self._in_flight[replica] += n
+        try:
+            return await self.engines[replica].sample(prompt_tokens, n, params)
+        finally:
+            self._in_flight[replica] -= n
+
+    async def forward(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
+        return await asyncio.to_thread(self.trainer.forward, samples)
+
+    async def forward_backward(
+        self, samples: Sequence[TrainingSample], loss: LossConfig
+    ) -> ForwardBackwardResult:
+        return await asyncio.to_thread(self.trainer.forward_backward, samples, loss)
+
+    async def optim_step(self, learning_rate: float) -> OptimStepResult:
+        return await asyncio.to_thread(self.trainer.optim_step, learning_rate)
+
+    async def weights_sync(
+        self, weight_sync_type: WeightSyncType = WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
+    ) -> int:
+        sync_type = WeightSyncType.parse(weight_sync_type)
+        version = self.trainer.version
+        if version <= self._target_version:
+            return version  # already published (or being published)
+        # merged on the caller's side, between optimizer steps, so the weights are consistent
+        state_dict = await asyncio.to_thread(self.trainer.state_dict_for_inference)
+        self._target_version = version
+        publish = asyncio.create_task(self._publish(state_dict, version, _ENGINE_MODES[sync_type]))
+        if sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS:
+            await publish
+        else:
+            self._publishing.add(publish)
+            publish.add_done_callback(self._publishing.discard)
+        return version
+
+    async def _publish(self, state_dict: dict[str, torch.Tensor], version: int, mode: str) -> None:
+        for engine in self.engines:
+            await asyncio.to_thread(engine.update_weights, state_dict, version, mode=mode)  # type: ignore[arg-type]
+        await asyncio.gather(*(engine.wait_for_version(version) for engine in self.engines))
+
+    def _applied_version(self) -> int:
+        return min(engine.version for engine in self.engines)
+
+    def policy_state(self) -> PolicyState:
+        applied = self._applied_version()
+        return PolicyState(
+            trainer_step=self.trainer.version,
+            target_weights_version=self._target_version,
+            applied_weights_version=applied,
+            pending_publish=applied < self._target_version,
+        )
+
+    async def save_training_checkpoint(self, path: PathLike) -> None:
+        await asyncio.to_thread(self.trainer.save_training_checkpoint, path)
+
+    async def load_training_checkpoint(self, path: PathLike, *, load_optimizer: bool = True) -> int:
+        await asyncio.to_thread(
+            self.trainer.load_training_checkpoint, path, load_optimizer=load_optimizer
+        )
+        version = self.trainer.version
+        if version <= self._target_version:
+            raise ValueError(
+                f"the checkpoint's version {version} is not newer than the generators' "
+                f"({self._target_version}); load it into a new service"
+            )
+        state_dict = await asyncio.to_thread(self.trainer.state_dict_for_inference)
+        await self._publish(state_dict, version, "drain")
+        self._target_version = version
+        return version
+
+    async def save_inference_checkpoint(self, path: PathLike) -> None:
+        await asyncio.to_thread(self.trainer.save_inference_checkpoint, Path(path))
+
+    async def close(self) -> None:
+        for publish in list(self._publishing):
+            await publish
+        await asyncio.gather(*(engine.close() for engine in self.engines))

@@ -1,0 +1,551 @@
+"""GRPOConfig: the seed's examples, validation, YAML round-trip, derived values, and the docs
+table kept in sync with the code."""
+
+import ast
+import dataclasses
+import functools
+import inspect
+import itertools
+import math
+import re
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+
+from post_training_cookbook.grpo import config as config_module
+from post_training_cookbook.grpo.config import GRPOConfig, WeightSyncType
+from post_training_cookbook.models import BUNDLED_MODEL_ID
+from post_training_cookbook.service.types import LossConfig
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "grpo_config.md"
+FIELD_NAMES = [f.name for f in dataclasses.fields(GRPOConfig)]
+
+
+# The seed's examples, unchanged
+
+
+def test_the_seed_training_example_constructs_unchanged() -> None:
+    config = GRPOConfig(
+        model="Qwen/Qwen3.8-27B",
+        batch_size=4,
+        episodes_per_task=8,
+        num_steps=200,
+        validation_interval=10,
+        max_turns=6,
+        max_model_length=2048,
+        learning_rate=2e-5,
+        wandb_project="grpo-tool-use-game",
+        sequential_validation=True,
+        max_sampling_attempts=2,
+    )
+    assert config.model == "Qwen/Qwen3.8-27B"
+    assert config.max_sampling_attempts == 2
+    assert not config.is_async
+
+
+def test_the_seed_async_example_constructs_unchanged() -> None:
+    config = GRPOConfig(
+        model="Qwen/Qwen3.6-35B-A3B",
+        max_turns=6,
+        batch_size=4,
+        episodes_per_task=8,
+        max_steps_off_policy=1,
+        groups_in_flight=8,
+        num_generator_replicas=2,
+    )
+    assert config.is_async
+    assert config.effective_groups_in_flight == 8
+    assert config.weight_sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
+
+
+def test_defaults_follow_the_seed_and_the_hosted_conventions() -> None:
+    config = GRPOConfig()
+    assert config.model == BUNDLED_MODEL_ID
+    assert config.wandb_project == "post-training-cookbook"
+    assert config.use_lora is True
+    assert config.weight_sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
+    assert config.env_errors == "raise"
+    assert not config.is_async
+    assert config.effective_groups_in_flight == config.batch_size
+
+
+def test_a_model_id_that_exists_nowhere_is_not_resolved_at_construction() -> None:
+    assert GRPOConfig(model="nobody/no-such-model").model == "nobody/no-such-model"
+    assert GRPOConfig(model="/no/such/folder").model == "/no/such/folder"
+
+
+# Validation: each rule raises a ValueError that names the field(s)
+
+ASYNC = {"max_steps_off_policy": 1}
+INVALID: list[tuple[dict[str, Any], list[str]]] = [
+    ({"batch_size": 0}, ["batch_size", ">= 1"]),
+    ({"episodes_per_task": 1}, ["episodes_per_task", ">= 2"]),
+    ({"num_steps": 0}, ["num_steps"]),
+    ({"max_turns": 0}, ["max_turns"]),
+    ({"max_model_length": 0}, ["max_model_length"]),
+    ({"max_sampling_attempts": 0}, ["max_sampling_attempts"]),
+    ({"num_generator_replicas": 0}, ["num_generator_replicas"]),
+    ({"val_episodes_per_task": 0}, ["val_episodes_per_task"]),
+    ({"lora_rank": 0}, ["lora_rank"]),
+    ({"lora_alpha": 0}, ["lora_alpha"]),
+    ({"micro_batch_tokens": 0}, ["micro_batch_tokens"]),
+    ({"max_tokens_per_turn": 0}, ["max_tokens_per_turn"]),
+    ({"validation_interval": -1}, ["validation_interval"]),
+    ({"checkpoint_interval": -1}, ["checkpoint_interval"]),
+    ({"warmup_steps": -1}, ["warmup_steps"]),
+    ({"seed": -1}, ["seed"]),
+    ({"overlong_buffer_length": -1}, ["overlong_buffer_length"]),
+    ({"max_steps_off_policy": -1}, ["max_steps_off_policy", "None"]),
+    ({**ASYNC, "groups_in_flight": 0}, ["groups_in_flight"]),
+    ({"groups_in_flight": 8}, ["groups_in_flight", "max_steps_off_policy"]),
+    (
+        {"weight_sync_type": WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH},
+        ["WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH requires max_steps_off_policy", "drift"],
+    ),
+    (
+        {"weight_sync_type": "WEIGHT_SYNC_TYPE_PIPELINE", "use_lora": False},
+        ["WEIGHT_SYNC_TYPE_PIPELINE requires max_steps_off_policy"],
+    ),
+    (
+        {**ASYNC, "weight_sync_type": "pipeline"},
+        ["WEIGHT_SYNC_TYPE_PIPELINE requires full-weight training (use_lora=False)"],
+    ),
+    ({"weight_sync_type": "sometimes"}, ["weight_sync_type", "sometimes"]),
+    ({"max_tokens_per_turn": 4096}, ["max_tokens_per_turn", "max_model_length"]),
+    ({"overlong_buffer_length": 2048}, ["overlong_buffer_length", "max_model_length"]),
+    ({"loss_type": "ppo"}, ["loss_type", "'ppo'"]),
+    ({"advantage_normalization": "std"}, ["advantage_normalization", "'mean_std'"]),
+    ({"lr_schedule": "step"}, ["lr_schedule", "'cosine'"]),
+    ({"env_errors": "ignore"}, ["env_errors", "'truncate'"]),
+    ({"dtype": "float16"}, ["dtype", "'bfloat16'"]),
+    ({"warmup_steps": 101}, ["warmup_steps", "num_steps"]),
+    ({"top_p": 0.0}, ["top_p", "(0, 1]"]),
+    ({"top_p": 1.5}, ["top_p"]),
+    ({"temperature": -0.1}, ["temperature"]),
+    ({"val_temperature": -1.0}, ["val_temperature"]),
+    ({"learning_rate": 0.0}, ["learning_rate", "> 0"]),
+    ({"learning_rate": math.nan}, ["learning_rate", "finite"]),
+    ({"failed_parse_reward": math.inf}, ["failed_parse_reward", "finite"]),
+    ({"max_grad_norm": 0.0}, ["max_grad_norm"]),
+    ({"weight_decay": -0.1}, ["weight_decay"]),
+    ({"overlong_penalty_factor": -1.0}, ["overlong_penalty_factor"]),
+    ({"lora_dropout": 1.0}, ["lora_dropout", "[0, 1)"]),
+    ({"env_step_timeout_s": 0.0}, ["env_step_timeout_s"]),
+    ({"clip_low": 1.5}, ["clip_low"]),
+    ({"clip_high": -0.1}, ["clip_high"]),
+    ({"kl_beta": -1.0}, ["kl_beta"]),
+    ({"tis_cap": 0.0}, ["tis_cap"]),
+    ({"loss_type": "dr_grpo", "dr_grpo_horizon": 0}, ["dr_grpo_horizon"]),
+    ({"dr_grpo_horizon": 1024}, ["dr_grpo_horizon", "loss_type='dr_grpo'"]),
+    ({"resume": True}, ["resume", "run_name"]),
+    ({"run_name": "runs/mine"}, ["run_name", "runs_dir"]),
+    ({"run_name": ".."}, ["run_name"]),
+    ({"wandb_project": ""}, ["wandb_project", "None"]),
+    ({"model": " "}, ["model", "empty"]),
+    ({"runs_dir": ""}, ["runs_dir"]),
+    ({"codec": ""}, ["codec"]),
+    ({"batch_size": "8"}, ["batch_size", "int", "'8'"]),
+    ({"batch_size": 8.0}, ["batch_size", "int"]),
+    ({"batch_size": True}, ["batch_size", "int"]),
+    ({"use_lora": "yes"}, ["use_lora", "bool"]),
+    ({"learning_rate": "1e-5"}, ["learning_rate", "float"]),
+    ({"max_steps_off_policy": 1.5}, ["max_steps_off_policy", "int or None"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"), INVALID, ids=[repr(overrides) for overrides, _ in INVALID]
+)
+def test_each_invalid_value_raises_a_value_error_naming_the_field(
+    overrides: dict[str, Any], expected: list[str]
+) -> None:
+    with pytest.raises(ValueError) as caught:
+        GRPOConfig(**overrides)
+    for text in expected:
+        assert text in str(caught.value)
+
+
+def test_a_misspelled_choice_gets_a_suggestion() -> None:
+    with pytest.raises(ValueError, match="did you mean 'cosine'"):
+        GRPOConfig(lr_schedule="cosin")
+
+
+def test_every_problem_of_a_config_is_reported_at_once() -> None:
+    with pytest.raises(ValueError) as caught:
+        GRPOConfig(batch_size=0, episodes_per_task=1, top_p=2.0)
+    message = str(caught.value)
+    assert all(name in message for name in ("batch_size", "episodes_per_task", "top_p"))
+
+
+def test_deferred_weight_sync_is_accepted_with_async_training() -> None:
+    background = GRPOConfig(**ASYNC, weight_sync_type="background_publish")
+    assert background.weight_sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH
+    pipeline = GRPOConfig(**ASYNC, weight_sync_type="pipeline", use_lora=False)
+    assert pipeline.weight_sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH,
+        "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH",
+        "background_publish",
+        "Background_Publish",
+    ],
+)
+def test_weight_sync_type_accepts_the_enum_its_name_or_its_short_name(value: Any) -> None:
+    config = GRPOConfig(**ASYNC, weight_sync_type=value)
+    assert config.weight_sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH
+
+
+def test_an_int_given_for_a_float_field_is_stored_as_a_float() -> None:
+    config = GRPOConfig(learning_rate=1, tis_cap=2, temperature=0)
+    assert isinstance(config.learning_rate, float)
+    assert isinstance(config.tis_cap, float)
+    assert isinstance(config.temperature, float)
+
+
+def test_the_config_is_frozen_and_replace_validates_again() -> None:
+    config = GRPOConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.batch_size = 2  # type: ignore[misc]
+    assert dataclasses.replace(config, batch_size=2).batch_size == 2
+    with pytest.raises(ValueError, match="batch_size"):
+        dataclasses.replace(config, batch_size=0)
+
+
+# YAML and dict round-trips
+
+
+def non_default_config() -> GRPOConfig:
+    """A config whose every field differs from its default, consistently."""
+    return GRPOConfig(
+        model="Qwen/Qwen3-8B",
+        batch_size=3,
+        episodes_per_task=4,
+        num_steps=50,
+        max_turns=4,
+        max_model_length=4096,
+        learning_rate=3e-6,
+        max_sampling_attempts=3,
+        wandb_project=None,
+        use_lora=False,
+        overlong_masking=True,
+        failed_parse_reward=-0.5,
+        dtype="bfloat16",
+        codec="qwen3",
+        lora_rank=8,
+        lora_alpha=16,
+        lora_dropout=0.05,
+        max_tokens_per_turn=512,
+        temperature=0.7,
+        top_p=0.95,
+        overlong_buffer_length=512,
+        overlong_penalty_factor=0.5,
+        loss_type="dr_grpo",
+        advantage_normalization="mean",
+        clip_low=0.1,
+        clip_high=0.28,
+        kl_beta=0.01,
+        tis_cap=2.0,
+        dr_grpo_horizon=2048,
+        lr_schedule="cosine",
+        warmup_steps=5,
+        max_grad_norm=0.5,
+        weight_decay=0.01,
+        micro_batch_tokens=16384,
+        max_steps_off_policy=2,
+        groups_in_flight=6,
+        weight_sync_type="pipeline",
+        num_generator_replicas=2,
+        run_name="my-run",
+        runs_dir="elsewhere/runs",
+        seed=7,
+        checkpoint_interval=5,
+        resume=True,
+        validation_interval=0,
+        sequential_validation=True,
+        val_episodes_per_task=2,
+        val_temperature=0.0,
+        env_step_timeout_s=None,
+        env_errors="truncate",
+    )
+
+
+def test_the_round_trip_config_sets_every_field_away_from_its_default() -> None:
+    config = non_default_config()
+    same_as_default = [
+        f.name for f in dataclasses.fields(GRPOConfig) if getattr(config, f.name) == f.default
+    ]
+    assert same_as_default == []
+
+
+def test_a_yaml_round_trip_gives_an_equal_config(tmp_path: Path) -> None:
+    config = non_default_config()
+    path = config.to_yaml(tmp_path / "run" / "config.yaml")
+    text = path.read_text()
+    assert "weight_sync_type: WEIGHT_SYNC_TYPE_PIPELINE" in text
+    assert all(f"\n{name}:" in text for name in FIELD_NAMES)
+    assert GRPOConfig.from_yaml(path) == config
+
+
+def test_the_default_config_round_trips_through_yaml(tmp_path: Path) -> None:
+    path = GRPOConfig().to_yaml(tmp_path / "config.yaml")
+    assert GRPOConfig.from_yaml(path) == GRPOConfig()
+
+
+def test_a_dict_round_trip_gives_an_equal_config() -> None:
+    config = non_default_config()
+    data = config.to_dict()
+    assert data["weight_sync_type"] == "WEIGHT_SYNC_TYPE_PIPELINE"
+    assert list(data) == FIELD_NAMES
+    assert GRPOConfig.from_dict(data) == config
+
+
+def test_an_unknown_yaml_key_is_named_with_the_closest_field(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("batchsize: 4\nlearning_rate: 1.0e-5\n")
+    with pytest.raises(ValueError) as caught:
+        GRPOConfig.from_yaml(path)
+    message = str(caught.value)
+    assert "'batchsize'" in message
+    assert "did you mean 'batch_size'" in message
+    assert str(path) in message
+
+
+def test_an_unknown_key_with_no_close_field_is_still_named() -> None:
+    with pytest.raises(ValueError, match="unknown GRPOConfig key 'zzz'"):
+        GRPOConfig.from_dict({"zzz": 1})
+
+
+def test_a_yaml_value_of_the_wrong_type_raises_naming_the_field(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("batch_size: eight\n")
+    with pytest.raises(ValueError, match="batch_size must be int, got str 'eight'"):
+        GRPOConfig.from_yaml(path)
+
+
+def test_yaml_reads_an_exponent_without_a_dot_as_a_float(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("learning_rate: 2e-5\nclip_high: 28e-2\n")
+    config = GRPOConfig.from_yaml(path)
+    assert config.learning_rate == 2e-5
+    assert config.clip_high == 0.28
+
+
+def test_an_empty_yaml_file_gives_the_defaults(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("# nothing set\n")
+    assert GRPOConfig.from_yaml(path) == GRPOConfig()
+
+
+@pytest.mark.parametrize("text", ["- batch_size\n- 4\n", "batch_size: [4\n"])
+def test_yaml_that_is_not_a_mapping_of_fields_raises(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        GRPOConfig.from_yaml(path)
+
+
+# Derived values
+
+
+def test_a_constant_schedule_warms_up_linearly_then_holds() -> None:
+    config = GRPOConfig(learning_rate=1e-4, warmup_steps=4, num_steps=10)
+    rates = [config.learning_rate_at(step) for step in range(10)]
+    assert rates[:4] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4])
+    assert rates[4:] == pytest.approx([1e-4] * 6)
+
+
+def test_a_linear_schedule_decays_towards_zero_at_num_steps() -> None:
+    config = GRPOConfig(learning_rate=1.0, warmup_steps=2, num_steps=12, lr_schedule="linear")
+    assert config.learning_rate_at(1) == pytest.approx(1.0)
+    assert config.learning_rate_at(2) == pytest.approx(1.0)
+    assert config.learning_rate_at(7) == pytest.approx(0.5)
+    assert config.learning_rate_at(11) == pytest.approx(0.1)
+    assert config.learning_rate_at(12) == pytest.approx(0.0)
+
+
+def test_a_cosine_schedule_halves_midway_and_stays_at_zero_past_the_end() -> None:
+    config = GRPOConfig(learning_rate=1.0, num_steps=10, lr_schedule="cosine")
+    assert config.learning_rate_at(0) == pytest.approx(1.0)
+    assert config.learning_rate_at(5) == pytest.approx(0.5)
+    assert config.learning_rate_at(10) == pytest.approx(0.0)
+    assert config.learning_rate_at(50) == pytest.approx(0.0)
+    rates = [config.learning_rate_at(step) for step in range(10)]
+    assert rates == sorted(rates, reverse=True)
+
+
+def test_a_negative_step_has_no_learning_rate() -> None:
+    with pytest.raises(ValueError, match="step"):
+        GRPOConfig().learning_rate_at(-1)
+
+
+def test_loss_config_carries_the_loss_fields() -> None:
+    config = GRPOConfig(
+        loss_type="dr_grpo",
+        clip_low=0.1,
+        clip_high=0.28,
+        kl_beta=0.05,
+        tis_cap=3.0,
+        dr_grpo_horizon=1536,
+    )
+    assert config.loss_config() == LossConfig(
+        loss_type="dr_grpo",
+        clip_low=0.1,
+        clip_high=0.28,
+        kl_beta=0.05,
+        tis_cap=3.0,
+        dr_grpo_horizon=1536,
+    )
+
+
+def test_the_overlong_penalty_ramps_over_the_buffer_before_max_model_length() -> None:
+    config = GRPOConfig(max_model_length=1000, overlong_buffer_length=200)
+    assert config.overlong_penalty(800) == 0.0
+    assert config.overlong_penalty(900) == pytest.approx(-0.5)
+    assert config.overlong_penalty(1000) == pytest.approx(-1.0)
+    assert config.overlong_penalty(5000) == pytest.approx(-1.0)
+    assert GRPOConfig(overlong_buffer_length=0).overlong_penalty(10_000) == 0.0
+    assert GRPOConfig(overlong_penalty_factor=0.0).overlong_penalty(10_000) == 0.0
+
+
+def test_an_unnamed_run_is_named_after_the_model_and_the_utc_time() -> None:
+    now = datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC)
+    assert GRPOConfig(model="Qwen/Qwen3-8B").resolved_run_name(now) == (
+        "grpo-Qwen3-8B-20250304-050607"
+    )
+    assert GRPOConfig(model="/models/my model/").resolved_run_name(now) == (
+        "grpo-my-model-20250304-050607"
+    )
+    assert GRPOConfig(run_name="mine").resolved_run_name(now) == "mine"
+
+
+def test_the_loop_fixes_the_run_name_once_and_then_has_a_run_dir() -> None:
+    config = GRPOConfig(runs_dir="out")
+    with pytest.raises(ValueError, match="with_resolved_run_name"):
+        config.run_dir()
+    fixed = config.with_resolved_run_name(datetime(2025, 1, 1, tzinfo=UTC))
+    assert fixed.run_name == "grpo-tool-use-tiny-20250101-000000"
+    assert fixed.run_dir() == Path("out") / "grpo-tool-use-tiny-20250101-000000"
+    assert fixed.with_resolved_run_name() is fixed
+    assert config.run_name is None
+
+
+def test_episode_limits_and_sampling_params_carry_the_config() -> None:
+    from post_training_cookbook.rollout import EnvErrorPolicy
+
+    assert get_args(config_module.EnvErrors) == get_args(EnvErrorPolicy)
+    config = GRPOConfig(
+        max_turns=3,
+        max_model_length=1024,
+        max_tokens_per_turn=128,
+        failed_parse_reward=-1.0,
+        env_step_timeout_s=None,
+        env_errors="truncate",
+        temperature=0.8,
+        val_temperature=0.0,
+        top_p=0.9,
+    )
+    limits = config.episode_limits()
+    assert (limits.max_turns, limits.max_model_length, limits.max_tokens_per_turn) == (
+        3,
+        1024,
+        128,
+    )
+    assert (limits.failed_parse_reward, limits.env_step_timeout_s, limits.env_errors) == (
+        -1.0,
+        None,
+        "truncate",
+    )
+    train, val = config.sampling_params(), config.sampling_params(validation=True)
+    assert (train.max_tokens, train.temperature, train.top_p) == (128, 0.8, 0.9)
+    assert (val.max_tokens, val.temperature, val.top_p) == (128, 0.0, 0.9)
+
+
+@functools.cache
+def modules_imported_by_the_config() -> list[str]:
+    """Heavy modules loaded by a fresh interpreter that builds a config without W&B."""
+    code = (
+        "import sys\n"
+        "from post_training_cookbook.grpo.config import GRPOConfig\n"
+        "GRPOConfig(wandb_project=None)\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'wandb') if m in sys.modules))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    return ast.literal_eval(result.stdout.strip())
+
+
+def test_a_config_without_wandb_imports_nothing_of_wandb() -> None:
+    assert "wandb" not in modules_imported_by_the_config()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="service/__init__.py imports Trainer and LocalModelService (torch) eagerly, so "
+    "service.types drags torch in; drop this marker once that package imports lazily",
+)
+def test_importing_the_config_does_not_import_torch() -> None:
+    assert modules_imported_by_the_config() == []
+
+
+# The docs table and the field docstrings stay in sync with the code
+
+
+def documented_fields() -> dict[str, str]:
+    """Field name → default cell (backticks stripped), from every table row of the docs."""
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) != 4 or not re.fullmatch(r"`\w+`", cells[0]):
+            continue
+        name = cells[0].strip("`")
+        assert name not in rows, f"{name} is documented twice"
+        rows[name] = cells[2].strip("`")
+    return rows
+
+
+def documented_value(cell: str) -> object:
+    """A default cell as a Python value; an enum member's bare name stays a string."""
+    try:
+        return ast.literal_eval(cell)
+    except (ValueError, SyntaxError):
+        return cell
+
+
+def test_the_docs_table_lists_every_field_and_nothing_else() -> None:
+    documented = documented_fields()
+    assert sorted(set(FIELD_NAMES) - set(documented)) == [], "fields missing from the docs"
+    assert sorted(set(documented) - set(FIELD_NAMES)) == [], "docs list fields the code lacks"
+
+
+def test_every_documented_default_equals_the_codes_default() -> None:
+    documented = documented_fields()
+    differing = []
+    for f in dataclasses.fields(GRPOConfig):
+        code_default = f.default.name if isinstance(f.default, WeightSyncType) else f.default
+        doc_default = documented_value(documented.get(f.name, "<missing>"))
+        if (type(doc_default), doc_default) != (type(code_default), code_default):
+            differing.append(f"{f.name}: docs {doc_default!r}, code {code_default!r}")
+    assert differing == []
+
+
+def test_every_field_has_a_docstring_right_under_it() -> None:
+    class_node = ast.parse(inspect.getsource(GRPOConfig)).body[0]
+    assert isinstance(class_node, ast.ClassDef)
+    body = class_node.body
+    documented = set()
+    for statement, following in itertools.pairwise(body):
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
+            is_docstring = isinstance(following, ast.Expr) and isinstance(
+                following.value, ast.Constant
+            )
+            if is_docstring and isinstance(following.value.value, str):
+                documented.add(statement.target.id)
+    assert sorted(set(FIELD_NAMES) - documented) == []

@@ -1,0 +1,162 @@
+"""LocalModelService: sampler and trainer agree on logprobs, before and after weight syncs."""
+
+import asyncio
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.models import resolve_model
+from post_training_cookbook.service import (
+    LocalModelService,
+    LossConfig,
+    TrainingSample,
+    WeightSyncType,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    path = tmp_path_factory.mktemp("tiny")
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def make_service(model_dir, *, use_lora, replicas=1):
+    info = resolve_model(str(model_dir), codec="hermes")
+    return LocalModelService.create(
+        info,
+        use_lora=use_lora,
+        num_generator_replicas=replicas,
+        seed=0,
+        autocast_bf16=False,
+        lora_rank=4,
+        lora_alpha=8,
+    )
+
+
+PROMPTS = [[1, 5, 9, 12], [3, 3, 7], [2, 40, 41, 42, 43, 44]]
+
+
+async def sample_episodes(service, seed):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=seed)
+    sequences = await asyncio.gather(*(service.sample(p, 2, params) for p in PROMPTS))
+    samples = []
+    for prompt, pair in zip(PROMPTS, sequences, strict=True):
+        for sequence in pair:
+            tokens = prompt + sequence.tokens
+            mask = [0.0] * len(prompt) + [1.0] * len(sequence.tokens)
+            logprobs = [0.0] * len(prompt) + sequence.logprobs
+            advantages = [0.0] * len(prompt) + [1.0 if sequence.tokens[0] % 2 else -1.0] * len(
+                sequence.tokens
+            )
+            samples.append(TrainingSample(tokens, mask, logprobs, advantages))
+    return samples, [s.policy_segments[0].version for pair in sequences for s in pair]
+
+
+def mean_abs_gap(samples, trainer_logprobs):
+    gaps = [
+        abs(s.sampler_logprobs[i] - trainer_logprobs[k][i])
+        for k, s in enumerate(samples)
+        for i, m in enumerate(s.mask)
+        if m
+    ]
+    return sum(gaps) / len(gaps)
+
+
+@pytest.mark.parametrize("use_lora", [False, True], ids=["full", "lora"])
+def test_sampler_logprobs_match_the_trainer_before_and_after_a_synchronous_sync(
+    model_dir, use_lora
+):
+    async def scenario():
+        service = make_service(model_dir, use_lora=use_lora)
+        try:
+            samples, versions = await sample_episodes(service, seed=1)
+            assert set(versions) == {0}
+            before = mean_abs_gap(samples, await service.forward(samples))
+            for _ in range(2):
+                await service.forward_backward(samples, LossConfig())
+                step = await service.optim_step(5e-2)
+                assert not step.skipped
+            stale = mean_abs_gap(samples, await service.forward(samples))
+            version = await service.weights_sync(WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS)
+            state = service.policy_state()
+            fresh, versions = await sample_episodes(service, seed=2)
+            after = mean_abs_gap(fresh, await service.forward(fresh))
+            return before, stale, after, version, versions, state
+        finally:
+            await service.close()
+
+    before, stale, after, version, versions, state = asyncio.run(scenario())
+    assert before <= 1e-4 and after <= 1e-4
+    assert stale > 100 * max(before, 1e-6)  # the update really moved the policy
+    assert version == 2 and set(versions) == {2}
+    assert state.trainer_step == state.applied_weights_version == 2
+    assert not state.pending_publish
+
+
+def test_a_background_publish_returns_before_the_generators_switch(model_dir):
+    async def scenario():
+        service = make_service(model_dir, use_lora=False, replicas=2)
+        try:
+            samples, _ = await sample_episodes(service, seed=3)
+            # a long generation in flight keeps the drain-mode update pending
+            long_request = asyncio.create_task(
+                service.sample([1, 2, 3], 1, SamplingParams(max_tokens=200, seed=4))
+            )
+            await asyncio.sleep(0.05)
+            await service.forward_backward(samples, LossConfig())
+            await service.optim_step(1e-2)
+            version = await service.weights_sync("background_publish")
+            state_at_return = service.policy_state()
+            (old,) = await long_request
+            while service.policy_state().pending_publish:
+                await asyncio.sleep(0.01)
+            _, versions = await sample_episodes(service, seed=5)
+            return version, state_at_return, old, versions
+        finally:
+            await service.close()
+
+    version, state, old, versions = asyncio.run(scenario())
+    assert version == 1 and state.target_weights_version == 1
+    assert state.pending_publish and state.applied_weights_version == 0
+    assert [s.version for s in old.policy_segments] == [0]
+    assert set(versions) == {1}
+
+
+def test_a_training_checkpoint_resumes_into_a_new_service_with_its_weights(model_dir, tmp_path):
+    async def scenario():
+        first = make_service(model_dir, use_lora=True)
+        try:
+            samples, _ = await sample_episodes(first, seed=6)
+            await first.forward_backward(samples, LossConfig())
+            await first.optim_step(5e-2)
+            await first.save_training_checkpoint(tmp_path / "ckpt")
+            expected = await first.forward(samples)
+        finally:
+            await first.close()
+        second = make_service(model_dir, use_lora=True)
+        try:
+            version = await second.load_training_checkpoint(tmp_path / "ckpt")
+            restored = await second.forward(samples)
+            fresh, versions = await sample_episodes(second, seed=7)
+            gap = mean_abs_gap(fresh, await second.forward(fresh))
+            return version, expected, restored, versions, gap
+        finally:
+            await second.close()
+
+    version, expected, restored, versions, gap = asyncio.run(scenario())
+    assert version == 1 and restored == expected
+    assert set(versions) == {1} and gap <= 1e-4
