@@ -1,0 +1,223 @@
+"""Async GRPO: rollout workers keep collecting while the trainer steps.
+
+``max_steps_off_policy=N`` turns it on. ``groups_in_flight`` workers each play one group at
+a time, stamped with the policy version the generators had when its rollout started, and
+queue it when done. Each step admits queued groups in order:
+
+- a group older than N optimizer steps (trainer version − its start version) is dropped as
+  stale and counted in ``async/dropped_stale_groups`` — never in ``zero_variance_skip_ratio``;
+- other groups are admitted; those without reward variance are skipped and counted;
+- the step trains once it has ``batch_size`` informative groups, or has admitted
+  ``max_sampling_attempts × batch_size`` fresh groups (dynamic sampling's budget).
+
+Then it publishes with ``weight_sync_type``: SYNCHRONOUS waits for the generators,
+BACKGROUND_PUBLISH and PIPELINE return at once (see ``service/local.py``).
+
+Resume loses and replays nothing: every task position handed to a worker is either done
+(trained, skipped or dropped) or not; a checkpoint stores the lowest position not done and
+the done positions above it. A resumed run hands out exactly the positions not done, so each
+task group of an epoch is trained at most once, and none that was in flight is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from post_training_cookbook.envs.base import Task
+from post_training_cookbook.groups import Group, episode_metrics, play_group
+from post_training_cookbook.grpo.advantages import build_training_batch
+from post_training_cookbook.grpo.collect import is_informative
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.session import Session
+from post_training_cookbook.rollout import Episode
+
+
+@dataclass(frozen=True)
+class StampedGroup:
+    group: Group
+    position: int
+    """The task's position in the run's task stream."""
+    start_version: int
+
+
+class PositionLedger:
+    """Which task positions are done, compactly: everything below ``low_water`` plus a set."""
+
+    def __init__(self, low_water: int = 0, done_above: Sequence[int] = ()) -> None:
+        self.low_water = low_water
+        self.done_above = set(done_above)
+
+    def mark_done(self, position: int) -> None:
+        self.done_above.add(position)
+        while self.low_water in self.done_above:
+            self.done_above.remove(self.low_water)
+            self.low_water += 1
+
+    def positions_to_hand_out(self, start: int | None = None) -> PositionIterator:
+        return PositionIterator(self, self.low_water if start is None else start)
+
+
+@dataclass
+class PositionIterator:
+    ledger: PositionLedger
+    next_position: int
+
+    def take(self) -> int:
+        while self.next_position in self.ledger.done_above:
+            self.next_position += 1
+        position = self.next_position
+        self.next_position += 1
+        return position
+
+
+class RolloutWorkers:
+    def __init__(
+        self, session: Session, config: GRPOConfig, tasks: Sequence[Task], ledger: PositionLedger
+    ) -> None:
+        self._session = session
+        self._config = config
+        self._tasks = list(tasks)
+        self._positions = ledger.positions_to_hand_out()
+        self.queue: asyncio.Queue[StampedGroup] = asyncio.Queue()
+        self._workers: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        for _ in range(self._config.effective_groups_in_flight):
+            self._workers.append(asyncio.create_task(self._work()))
+
+    async def _work(self) -> None:
+        session, config = self._session, self._config
+        while True:
+            position = self._positions.take()
+            task = task_at(self._tasks, config.seed, position)
+            version = session.service.policy_state().applied_weights_version
+            group = await play_group(
+                session.runner, task, config.episodes_per_task, session.train_params
+            )
+            await self.queue.put(StampedGroup(group, position, version))
+
+    async def stop(self) -> None:
+        for worker in self._workers:
+            worker.cancel()
+        await asyncio.gather(*self._workers, return_exceptions=True)
+
+    def raise_if_failed(self) -> None:
+        """A worker that died (an env error under ``env_errors="raise"``) stops the run."""
+        for worker in self._workers:
+            if worker.done() and not worker.cancelled() and worker.exception() is not None:
+                raise worker.exception()  # type: ignore[misc]
+
+
+def task_at(tasks: Sequence[Task], seed: int, position: int) -> Task:
+    """The task at ``position`` of the seeded epoch-by-epoch shuffle (as ``TaskStream``)."""
+    from post_training_cookbook.grpo.data import TaskStream
+
+    return TaskStream(tasks, seed, cursor=position).take(1)[0]
+
+
+@dataclass
+class AsyncAdmission:
+    admitted: list[StampedGroup] = field(default_factory=list)
+    dropped_stale: int = 0
+    wait_s: float = 0.0
+    ages: list[int] = field(default_factory=list)
+
+    def informative_groups(self, config: GRPOConfig) -> list[Group]:
+        return [s.group for s in self.admitted if is_informative(s.group, config)]
+
+    def metrics(self, config: GRPOConfig) -> dict[str, float]:
+        groups = [stamped.group for stamped in self.admitted]
+        informative = len(self.informative_groups(config))
+        episodes = [episode for group in groups for episode in group.episodes]
+        return {
+            "async/train_wait_s": self.wait_s,
+            "async/dropped_stale_groups": float(self.dropped_stale),
+            "async/policy_age_mean": statistics.fmean(self.ages) if self.ages else 0.0,
+            "async/policy_age_max": float(max(self.ages, default=0)),
+            "async/off_first_version_token_share": _mixed_version_share(episodes),
+            "rollout/groups": float(len(groups)),
+            "rollout/zero_variance_skip_ratio": (len(groups) - informative) / max(1, len(groups)),
+        }
+
+
+def _mixed_version_share(episodes: Sequence[Episode]) -> float:
+    sampled = mixed = 0
+    for episode in episodes:
+        first = episode.start_version
+        for version, mask in zip(episode.versions, episode.mask, strict=True):
+            if mask:
+                sampled += 1
+                mixed += version != first
+    return mixed / max(1, sampled)
+
+
+async def admit_groups(
+    workers: RolloutWorkers, ledger: PositionLedger, config: GRPOConfig, trainer_version: int
+) -> AsyncAdmission:
+    """Take queued groups until the batch is full or the dynamic-sampling budget is spent."""
+    admission = AsyncAdmission()
+    budget = config.max_sampling_attempts * config.batch_size
+    assert config.max_steps_off_policy is not None
+    while (
+        len(admission.informative_groups(config)) < config.batch_size
+        and len(admission.admitted) < budget
+    ):
+        started = time.perf_counter()
+        stamped = await _next_group(workers)
+        admission.wait_s += time.perf_counter() - started
+        ledger.mark_done(stamped.position)
+        age = trainer_version - stamped.start_version
+        if age > config.max_steps_off_policy:
+            admission.dropped_stale += 1
+            continue
+        admission.admitted.append(stamped)
+        admission.ages.append(age)
+    return admission
+
+
+async def _next_group(workers: RolloutWorkers) -> StampedGroup:
+    while True:
+        workers.raise_if_failed()
+        try:
+            return await asyncio.wait_for(workers.queue.get(), timeout=0.5)
+        except TimeoutError:
+            continue
+
+
+async def async_step(
+    session: Session,
+    workers: RolloutWorkers,
+    ledger: PositionLedger,
+    config: GRPOConfig,
+    step: int,
+) -> tuple[dict[str, float], list[Group]]:
+    """One async step: admit → score → train → publish. Returns metrics and the groups."""
+    started = time.perf_counter()
+    trainer_version = session.service.policy_state().trainer_step
+    admission = await admit_groups(workers, ledger, config, trainer_version)
+    admitted = time.perf_counter()
+    groups = [stamped.group for stamped in admission.admitted]
+    batch = build_training_batch(admission.informative_groups(config)[: config.batch_size], config)
+    metrics = episode_metrics(groups) | admission.metrics(config) | batch.metrics()
+    synced = trained = admitted
+    if batch.samples:
+        result = await session.service.forward_backward(batch.samples, config.loss_config())
+        optim = await session.service.optim_step(config.learning_rate_at(step))
+        metrics |= {"loss/loss": result.loss} | result.metrics | optim.metrics
+        trained = time.perf_counter()
+        await session.service.weights_sync(config.weight_sync_type)
+        synced = time.perf_counter()
+    state = session.service.policy_state()
+    metrics |= {
+        "policy/version": float(state.trainer_step),
+        "policy/applied_version": float(state.applied_weights_version),
+        "time/admit": admitted - started,
+        "time/train": trained - admitted,
+        "time/weight_sync": synced - trained,
+        "time/step": synced - started,
+    }
+    return metrics, groups

@@ -1,0 +1,122 @@
+"""The run directory and everything written to it.
+
+runs/<run_name>/
+    config.yaml                 the whole config (loads back with GRPOConfig.from_yaml)
+    metrics.jsonl               one line per step (and validation lines), always written
+    rollouts/step_000012.jsonl  every episode of the step: messages, reward, cause, tokens
+    checkpoints/step_000010/    training checkpoint + loop_state.json (written last)
+    final_model/                inference checkpoint: AutoModelForCausalLM.from_pretrained
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from post_training_cookbook.groups import Group
+from post_training_cookbook.grpo.config import GRPOConfig
+
+LOOP_STATE = "loop_state.json"
+
+
+@dataclass(frozen=True)
+class LoopState:
+    """What the loop needs, beyond the trainer's checkpoint, to continue a run exactly."""
+
+    step: int
+    """Steps completed."""
+    task_cursor: int
+    run_name: str
+
+
+class RunDirectory:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metrics_path = path / "metrics.jsonl"
+        self.rollouts_dir = path / "rollouts"
+        self.checkpoints_dir = path / "checkpoints"
+        self.final_model_dir = path / "final_model"
+
+    def create(self, config: GRPOConfig) -> None:
+        self.rollouts_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        config.to_yaml(self.path / "config.yaml")
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as file:
+            file.write(json.dumps(_finite(record)) + "\n")
+
+    def truncate_metrics_after(self, step: int) -> None:
+        """On resume: drop lines of steps the checkpoint does not contain."""
+        if not self.metrics_path.exists():
+            return
+        kept = [
+            line
+            for line in self.metrics_path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
+
+    def dump_rollouts(self, step: int, groups: Sequence[Group], kind: str = "train") -> Path:
+        path = self.rollouts_dir / f"{kind}_step_{step:06d}.jsonl"
+        with path.open("w") as file:
+            for group_index, group in enumerate(groups):
+                for record in _episode_records(step, group_index, group):
+                    file.write(json.dumps(record, default=str) + "\n")
+        return path
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return self.checkpoints_dir / f"step_{step:06d}"
+
+    def write_loop_state(self, checkpoint: Path, state: LoopState) -> None:
+        # written last: a checkpoint folder without it is an interrupted save
+        temporary = checkpoint / (LOOP_STATE + ".tmp")
+        temporary.write_text(json.dumps(state.__dict__))
+        os.replace(temporary, checkpoint / LOOP_STATE)
+
+    def last_checkpoint(self) -> tuple[Path, LoopState] | None:
+        if not self.checkpoints_dir.is_dir():
+            return None
+        complete = sorted(
+            folder for folder in self.checkpoints_dir.iterdir() if (folder / LOOP_STATE).is_file()
+        )
+        if not complete:
+            return None
+        state = json.loads((complete[-1] / LOOP_STATE).read_text())
+        return complete[-1], LoopState(**state)
+
+
+def _episode_records(step: int, group_index: int, group: Group) -> Iterable[dict[str, Any]]:
+    for episode in group.episodes:
+        yield {
+            "step": step,
+            "group": group_index,
+            "task": {
+                "prompt": group.task.prompt,
+                "target": group.task.target,
+                "metadata": group.task.metadata,
+            },
+            "messages": episode.messages,
+            "reward": episode.reward,
+            "truncation": episode.truncation.value if episode.truncation else None,
+            "num_turns": episode.num_turns,
+            "num_tokens": len(episode.tokens),
+            "num_sampled_tokens": int(sum(episode.mask)),
+            "metrics": episode.metrics,
+            "env_error": episode.env_error,
+            "token_ids": episode.tokens,
+            "mask": [int(m) for m in episode.mask],
+        }
+
+
+def _finite(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/inf: write them as null."""
+    return {
+        key: (None if isinstance(value, float) and not math.isfinite(value) else value)
+        for key, value in record.items()
+    }

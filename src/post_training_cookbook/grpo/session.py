@@ -1,0 +1,62 @@
+"""What a run holds while it trains: the model service, the codec, and how episodes run.
+
+Built once per run from the config (the variants are chosen here, not inside the loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from post_training_cookbook.codecs import Codec
+from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.groups import EpisodeRunner
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.models.loading import load_codec, load_tokenizer
+from post_training_cookbook.service import LocalModelService, ModelService
+
+
+@dataclass
+class Session:
+    service: ModelService
+    codec: Codec
+    runner: EpisodeRunner
+    train_params: SamplingParams
+    val_params: SamplingParams
+
+    @classmethod
+    async def open(
+        cls, config: GRPOConfig, info: ModelInfo, env_factory: Callable[[Task], Env]
+    ) -> Session:
+        codec = load_codec(info, load_tokenizer(info))
+        dtype = getattr(torch, config.dtype or info.default_dtype)
+        service = LocalModelService.create(
+            info,
+            use_lora=config.use_lora,
+            num_generator_replicas=config.num_generator_replicas,
+            engine_dtype=dtype,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            micro_batch_tokens=config.micro_batch_tokens,
+            reference_model=config.kl_beta > 0,
+            seed=config.seed,
+        )
+        stops = codec.stop_token_ids
+        runner = EpisodeRunner(env_factory, service, codec, config.episode_limits())
+        return cls(
+            service=service,
+            codec=codec,
+            runner=runner,
+            train_params=replace(config.sampling_params(), stop_token_ids=stops),
+            val_params=replace(config.sampling_params(validation=True), stop_token_ids=stops),
+        )
+
+    async def close(self) -> None:
+        await self.service.close()
