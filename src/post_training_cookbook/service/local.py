@@ -61,7 +61,9 @@ class LocalModelService(ModelService):
         weights = load_model(info, torch.float32)
         weights.load_state_dict(trainer.state_dict_for_inference(), strict=False)
         self.engines = [
-            LocalEngine(weights, dtype=engine_dtype, max_batch_size=max_batch_size)
+            LocalEngine(
+                weights, dtype=engine_dtype, max_batch_size=max_batch_size, version=trainer.version
+            )
             for _ in range(num_generator_replicas)
         ]
         self._in_flight = [0] * num_generator_replicas

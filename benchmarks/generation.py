@@ -1,0 +1,193 @@
+"""Generation throughput: LocalEngine vs Hugging Face ``generate`` (and vLLM when importable).
+
+Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
+``--new-tokens`` tokens per sequence) for every engine, measured side by side in one run:
+
+    OMP_NUM_THREADS=2 python benchmarks/generation.py                 # random ~2.9M Qwen2
+    python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
+
+The default model is a random-initialised Qwen2 (vocab 2048, hidden 256, 4 layers).
+Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.
+Timings are the best of ``--repeats`` runs after one warm-up; other processes on the
+machine skew them, so the load average is printed next to the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from post_training_cookbook.engine import LocalEngine, SamplingParams
+
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+}
+
+
+@dataclass
+class Row:
+    engine: str
+    dtype: str
+    seconds: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def random_qwen2() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def best_of(repeats: int, run: Callable[[], None]) -> float:
+    run()  # warm-up: allocator, kernels, first-call paths
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def time_hf_generate(
+    model: transformers.PreTrainedModel, prompts: list[list[int]], new: int, repeats: int
+) -> float:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+    def run() -> None:
+        with torch.inference_mode():
+            model.generate(  # type: ignore[operator]
+                input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                top_p=1.0, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+            )  # fmt: skip
+
+    return best_of(repeats, run)
+
+
+def time_local_engine(
+    model: transformers.PreTrainedModel,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    new: int,
+    repeats: int,
+) -> float:
+    engine = LocalEngine(model, dtype=dtype, max_batch_size=len(prompts), prefix_cache_size=0)
+    params = SamplingParams(max_tokens=new)
+
+    async def generate() -> None:
+        await asyncio.gather(*(engine.sample(p, 1, params) for p in prompts))
+
+    try:
+        return best_of(repeats, lambda: asyncio.run(generate()))
+    finally:
+        engine.shutdown()
+
+
+def time_vllm(
+    model: transformers.PreTrainedModel,
+    dtype: str,
+    prompts: list[list[int]],
+    new: int,
+    repeats: int,
+) -> float | str:
+    """Seconds, or why vLLM was skipped (settings from shared/reference/engines.md)."""
+    for name, value in VLLM_ENV.items():
+        os.environ.setdefault(name, value)
+    try:
+        import vllm
+    except Exception as error:  # any import failure means: no vLLM here
+        return f"skipped ({type(error).__name__}: {error})"
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        llm = vllm.LLM(
+            model=folder, dtype=dtype, skip_tokenizer_init=True, enforce_eager=True, seed=0
+        )
+        params = vllm.SamplingParams(
+            max_tokens=new, ignore_eos=True, temperature=1.0, detokenize=False
+        )
+        requests = [vllm.inputs.TokensPrompt(prompt_token_ids=p) for p in prompts]
+        return best_of(repeats, lambda: llm.generate(requests, params, use_tqdm=False))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="local Hugging Face model folder (default: random Qwen2)")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-vllm", action="store_true")
+    args = parser.parse_args()
+
+    base = (
+        transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()
+        if args.model
+        else random_qwen2()
+    )
+    vocab = int(base.config.vocab_size)
+    rng = random.Random(0)
+    prompts = [rng.choices(range(vocab), k=rng.randint(32, 96)) for _ in range(args.batch)]
+    tokens = args.batch * args.new_tokens
+    params_m = sum(p.numel() for p in base.parameters()) / 1e6
+    print(f"model: {args.model or 'random Qwen2'} ({params_m:.1f}M params), batch {args.batch} x "
+          f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}, "
+          f"load average before {os.getloadavg()[0]:.2f}")  # fmt: skip
+
+    rows: list[Row] = []
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        model = copy.deepcopy(base).to(dtype)
+        rows.append(
+            Row(
+                "hf generate",
+                name,
+                time_hf_generate(model, prompts, args.new_tokens, args.repeats),
+                tokens,
+            )
+        )
+        seconds = time_local_engine(base, dtype, prompts, args.new_tokens, args.repeats)
+        rows.append(Row("LocalEngine", name, seconds, tokens))
+        if not args.no_vllm:
+            result = time_vllm(base, name, prompts, args.new_tokens, args.repeats)
+            if isinstance(result, str):
+                print(f"vllm ({name}): {result}")
+            else:
+                rows.append(Row("vllm", name, result, tokens))
+
+    print(f"\n{'engine':<14}{'dtype':<10}{'tokens/s':>10}{'s/run':>8}{'vs hf':>8}")
+    for row in rows:
+        hf = next(r for r in rows if r.engine == "hf generate" and r.dtype == row.dtype)
+        ratio = row.tokens_per_s / hf.tokens_per_s
+        print(
+            f"{row.engine:<14}{row.dtype:<10}{row.tokens_per_s:>10.0f}{row.seconds:>8.2f}{ratio:>7.2f}x"
+        )
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

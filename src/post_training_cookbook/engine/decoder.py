@@ -1,0 +1,385 @@
+"""The model side of LocalEngine: prefill, decode steps, sampling, prefix reuse, weight swaps.
+
+Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
+and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import inspect
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
+from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry
+from post_training_cookbook.engine.sampling import sample_tokens
+from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
+
+StopReason = Literal["stop", "length"]
+_UNIFORM_CHUNK = 64
+
+
+@dataclass
+class EngineStats:
+    """Counters since construction; ``LocalEngine.stats()`` returns a snapshot."""
+
+    prefill_tokens_computed: int = 0  # prompt tokens run through the model
+    prefill_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefill_tokens_shared: int = 0  # prompt tokens of rows that copied an identical prompt's row
+    prefix_cache_hits: int = 0  # prefilled prompts that reused at least one cached token
+    prefix_cache_misses: int = 0
+    prefix_cache_entries: int = 0
+    prefill_batches: int = 0  # prefill forwards
+    decode_steps: int = 0  # decode forwards
+    decode_tokens: int = 0  # rows summed over decode steps
+    max_decode_batch_size: int = 0
+    sequences_finished: int = 0
+    weight_updates: int = 0  # updates applied
+
+    @property
+    def mean_decode_batch_size(self) -> float:
+        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
+
+    def to_metrics(self) -> dict[str, float]:
+        metrics = {f"engine/{name}": float(value) for name, value in asdict(self).items()}
+        metrics["engine/mean_decode_batch_size"] = self.mean_decode_batch_size
+        return metrics
+
+
+@dataclass(eq=False)
+class Request:
+    """One ``sample`` call: resolved on its caller's loop once all ``n`` sequences finish."""
+
+    prompt: list[int]
+    n: int
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[SampledSequence]]
+    cancelled: bool = False  # set on the loop when the caller stops waiting
+    sequences: dict[int, SampledSequence] = field(default_factory=dict)
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.params.stop_token_ids)
+
+    def complete(self, index: int, sequence: SampledSequence) -> None:
+        self.sequences[index] = sequence
+        if len(self.sequences) == self.n:
+            settle(self.loop, self.future, result=[self.sequences[i] for i in range(self.n)])
+
+    def fail(self, error: BaseException) -> None:
+        settle(self.loop, self.future, error=error)
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sequence being sampled."""
+
+    request: Request
+    index: int  # which of the request's n samples
+    generator: torch.Generator  # the row's own when seeded, else the engine's
+    max_tokens: int
+    segments: list[PolicySegment]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    raw_logprobs: list[float] = field(default_factory=list)
+    uniforms: list[float] = field(default_factory=list)
+
+    def next_uniform(self) -> float:
+        # Drawn in chunks: cheap per token, bounded memory, and still a function of the seed only.
+        step = len(self.tokens) % _UNIFORM_CHUNK
+        if step == 0:
+            self.uniforms = torch.rand(_UNIFORM_CHUNK, generator=self.generator).tolist()
+        return self.uniforms[step]
+
+    def stop_reason(self) -> StopReason | None:
+        if self.tokens[-1] in self.request.stop_ids:
+            return "stop"
+        return "length" if len(self.tokens) >= self.max_tokens else None
+
+    def switch_to(self, version: int) -> None:
+        start = len(self.tokens)  # the first token the new weights will sample
+        if self.segments[-1].start_token == start:
+            self.segments[-1] = PolicySegment(start, version)
+        else:
+            self.segments.append(PolicySegment(start, version))
+
+    def to_sequence(self, reason: StopReason) -> SampledSequence:
+        return SampledSequence(self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs)
+
+
+@dataclass(eq=False)
+class _Prompt:
+    """One distinct prompt of a prefill, with every sample that asked for it."""
+
+    tokens: list[int]
+    samples: list[tuple[Request, int]] = field(default_factory=list)
+    reused: int = 0  # leading tokens whose KV comes from the prefix cache
+    past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @property
+    def suffix(self) -> list[int]:
+        return self.tokens[self.reused :]
+
+
+class Decoder:
+    """Runs the batch: ``prefill`` new requests, ``decode_step`` every live row, swap weights."""
+
+    def __init__(self, model: Any, prefix_cache_size: int, version: int = 0) -> None:
+        self.model = model
+        config = model.config
+        self.num_layers: int = config.num_hidden_layers
+        self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
+        self.dtype: torch.dtype = next(model.parameters()).dtype
+        self.device: torch.device = next(model.parameters()).device
+        # logits of the last position only: a prefill need not project every prompt token
+        self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+        self.prefix_cache = PrefixCache(prefix_cache_size)
+        self.rng = torch.Generator()
+        self.rng.seed()  # unseeded requests draw from here
+        self.version = version
+        self.stats = EngineStats()
+        self.rows: list[_Row] = []
+        self.reset()
+
+    def reset(self) -> list[Request]:
+        """Drop every live row (after an error or at close); returns their requests."""
+        requests = list({id(row.request): row.request for row in self.rows}.values())
+        self.rows = []
+        self.batch = KVBatch(self.num_layers, self.dtype, self.device)
+        self.cache = WindowCache(self.batch, self.num_layers)
+        return requests
+
+    def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        targets = self.model.state_dict()  # views sharing storage with the parameters
+        for name, tensor in tensors.items():
+            targets[name].copy_(tensor)
+        self.version = version
+        self.prefix_cache.clear()
+        for row in self.rows:
+            row.switch_to(version)
+        self.stats.weight_updates += 1
+
+    # ---- prefill -----------------------------------------------------------------------
+
+    def prefill(self, requests: list[Request]) -> None:
+        """Prefill every distinct prompt in one forward, then give each sample its row."""
+        prompts = self._distinct_prompts(requests)
+        width = max(len(p.suffix) for p in prompts)
+        self.batch.reserve(
+            sum(len(p.samples) for p in prompts), width + max(p.reused for p in prompts)
+        )
+        first = self.batch.add_rows(len(prompts))
+        end = self.batch.cols
+        ids, positions = [], []
+        for row, prompt in enumerate(prompts, start=first):
+            self._place(row, prompt, end, width)
+            pad = [0] * (width - len(prompt.suffix))
+            ids.append(pad + prompt.suffix)
+            positions.append(pad + list(range(prompt.reused, len(prompt.tokens))))
+        rows = slice(first, first + len(prompts))
+        logits = self._forward(rows, end, _long(ids, self.device), _long(positions, self.device))
+        self._count_prefill(prompts)
+        self._fan_out(first, prompts, logits)
+
+    def _distinct_prompts(self, requests: list[Request]) -> list[_Prompt]:
+        prompts: dict[tuple[int, ...], _Prompt] = {}
+        for request in requests:
+            prompt = prompts.setdefault(tuple(request.prompt), _Prompt(request.prompt))
+            prompt.samples.extend((request, j) for j in range(request.n))
+        for prompt in prompts.values():
+            self._lookup(prompt)
+        return list(prompts.values())
+
+    def _lookup(self, prompt: _Prompt) -> None:
+        """Reuse the longest cached prefix, leaving at least the last prompt token to compute
+        (its logits give the first sampled token)."""
+        found = self.prefix_cache.lookup(np.asarray(prompt.tokens), self.version)
+        length = min(found[1], len(prompt.tokens) - 1) if found else 0
+        if not found or length == 0:
+            self.stats.prefix_cache_misses += 1
+            return
+        self.stats.prefix_cache_hits += 1
+        entry = found[0]
+        prompt.reused = length
+        prompt.past = [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values]
+
+    def _place(self, row: int, prompt: _Prompt, end: int, width: int) -> None:
+        """Lay a prompt out in ``row``: cached KV ends where the suffix block (``width``
+        columns before ``end``) starts; the suffix is right-aligned in that block."""
+        if prompt.past is not None:
+            self.batch.write_prefix(row, *prompt.past, end=end - width)
+        self.batch.valid[row, end - len(prompt.suffix) : end] = True
+        self.batch.positions[row] = len(prompt.tokens)
+
+    def _count_prefill(self, prompts: list[_Prompt]) -> None:
+        stats = self.stats
+        stats.prefill_batches += 1
+        stats.prefill_tokens_computed += sum(len(p.suffix) for p in prompts)
+        stats.prefill_tokens_reused += sum(p.reused for p in prompts)
+        stats.prefill_tokens_shared += sum((len(p.samples) - 1) * len(p.tokens) for p in prompts)
+
+    def _fan_out(self, first: int, prompts: list[_Prompt], logits: torch.Tensor) -> None:
+        """Every sample gets its own row (a copy of its prompt's row) and its first token."""
+        samples = [p.samples[0] for p in prompts]
+        sources = [first + i for i, p in enumerate(prompts) for _ in p.samples[1:]]
+        samples += [sample for p in prompts for sample in p.samples[1:]]
+        if sources:
+            copies = self.batch.add_rows(len(sources))
+            self.batch.copy_rows(sources, list(range(copies, copies + len(sources))))
+            order = list(range(len(prompts))) + [source - first for source in sources]
+            logits = logits[torch.tensor(order, device=logits.device)]
+        self.rows.extend(self._new_row(request, index) for request, index in samples)
+        self._sample(slice(first, first + len(samples)), logits)
+
+    def _new_row(self, request: Request, index: int) -> _Row:
+        params = request.params
+        max_tokens = params.max_tokens
+        if self.max_positions is not None:  # the last token fed needs a position < max
+            max_tokens = min(max_tokens, self.max_positions - len(request.prompt) + 1)
+        generator = self.rng
+        if params.seed is not None:
+            generator = torch.Generator()
+            generator.manual_seed(_row_seed(params.seed, index))
+        return _Row(request, index, generator, max_tokens, [PolicySegment(0, self.version)])
+
+    # ---- decode ------------------------------------------------------------------------
+
+    def decode_step(self) -> None:
+        """Drop rows whose caller stopped waiting, then sample one token for every live row."""
+        cancelled = [i for i, row in enumerate(self.rows) if row.request.cancelled]
+        if cancelled:
+            self._remove(cancelled)
+        if not self.rows:
+            return
+        batch = self.batch
+        batch.reserve(0, 0)
+        rows, col = slice(0, batch.rows), batch.cols
+        batch.valid[rows, col] = True
+        logits = self._forward(
+            rows, col + 1, batch.next_tokens[rows, None], batch.positions[rows, None]
+        )
+        batch.cols += 1
+        batch.positions[rows] += 1
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += batch.rows
+        self.stats.max_decode_batch_size = max(self.stats.max_decode_batch_size, batch.rows)
+        self._sample(rows, logits)
+
+    def _forward(
+        self, rows: slice, end: int, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Next-token logits (float32) of ``rows``; new tokens go in the columns before ``end``."""
+        queries = input_ids.shape[1]
+        start = self.batch.first_col(rows)
+        self.cache.set_window(rows, start, end, queries)
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=self.batch.attention_bias(rows, start, end, queries),
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            use_cache=True,
+            **self.forward_kwargs,
+        )
+        return output.logits[:, -1, :].float()
+
+    def _sample(self, rows: slice, logits: torch.Tensor) -> None:
+        live = self.rows[rows]
+        uniforms = [row.next_uniform() for row in live]
+        sampled = sample_tokens(logits, [row.request.params for row in live], uniforms)
+        self.batch.next_tokens[rows] = sampled.tokens
+        finished: list[tuple[int, StopReason]] = []
+        columns = zip(
+            live, sampled.tokens.tolist(), sampled.logprobs, sampled.raw_logprobs, strict=True
+        )
+        for offset, (row, token, logprob, raw) in enumerate(columns):
+            row.tokens.append(token)
+            row.logprobs.append(logprob)
+            row.raw_logprobs.append(raw)
+            if (reason := row.stop_reason()) is not None:
+                finished.append((rows.start + offset, reason))
+        if finished:
+            self._finish(finished)
+
+    def _finish(self, finished: list[tuple[int, StopReason]]) -> None:
+        self.stats.sequences_finished += len(finished)  # before any caller can read stats
+        for index, reason in finished:
+            row = self.rows[index]
+            self._remember(index, row)
+            row.request.complete(row.index, row.to_sequence(reason))
+        self._remove([index for index, _ in finished])
+
+    def _remember(self, index: int, row: _Row) -> None:
+        """Keep the row's KV for prompts that extend it, unless older weights computed any of it."""
+        if self.prefix_cache.max_entries == 0 or row.segments != [PolicySegment(0, self.version)]:
+            return
+        keys, values = self.batch.row_kv(index)
+        tokens = np.asarray(row.request.prompt + row.tokens[:-1])  # the last token was never fed
+        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version))
+
+    def _remove(self, indices: list[int]) -> None:
+        for source, target in self.batch.remove_rows(indices):
+            self.rows[target] = self.rows[source]
+        del self.rows[self.batch.rows :]
+
+
+def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> Any:
+    """A private eval-mode copy: merged if PEFT, cast, no grads, decode-friendly attention."""
+    engine_model: Any = copy.deepcopy(model)
+    if hasattr(engine_model, "merge_and_unload"):
+        engine_model = engine_model.merge_and_unload()
+    layer_types = getattr(engine_model.config, "layer_types", None) or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise ValueError(f"LocalEngine supports full-attention layers only, got {set(layer_types)}")
+    # Rotary frequencies stay float32: in bf16 they lose far positions.
+    frequencies = {
+        name: buf for name, buf in engine_model.named_buffers() if name.endswith("inv_freq")
+    }
+    engine_model.to(device=device, dtype=dtype)
+    for name, buffer in frequencies.items():
+        module_name, _, attribute = name.rpartition(".")
+        setattr(engine_model.get_submodule(module_name), attribute, buffer.to(device))
+    engine_model.eval().requires_grad_(False)
+    # Models without the attention interface keep theirs: the 4-D float mask suits eager and SDPA.
+    with contextlib.suppress(AttributeError, ValueError):
+        engine_model.set_attn_implementation(ATTENTION_NAME)
+    return engine_model
+
+
+def settle(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    """Resolve ``future`` on its own loop, from any thread."""
+
+    def resolve() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits the future any more
+        loop.call_soon_threadsafe(resolve)
+
+
+def _accepts_logits_to_keep(model: Any) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def _row_seed(seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a request: mixed, so (s, 1) and (s + 1, 0) differ."""
+    return (seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
+
+
+def _long(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
