@@ -7,7 +7,7 @@
 2. Train a byte-level BPE tokenizer on those conversations, rendered by the Hermes chat
    template. Entity names are split into their syllables and digits into single tokens, so
    the tokenizer cannot memorise names or numbers (validation entities are never seen).
-3. Initialise a small Qwen2 model and fine-tune it with ``post_training_cookbook.sft``
+3. Initialise a small Llama model and fine-tune it with ``post_training_cookbook.sft``
    (assistant tokens only).
 4. Save weights (safetensors), tokenizer and chat template to the package, then measure
    calibration on the VALIDATION split with ``scripts/calibrate_bundled_model.py``.
@@ -25,13 +25,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
@@ -42,8 +36,7 @@ from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR
 from post_training_cookbook.sft import SFTConfig, SFTStepLog, tokenize_conversations, train_sft
 from post_training_cookbook.types import Message, ToolSpec
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-TEMPLATE_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 Conversation = tuple[list[Message], list[ToolSpec]]
 
 
@@ -68,20 +61,24 @@ def teacher_conversations(num_episodes: int, seed: int) -> list[Conversation]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE without word boundaries: template boilerplate compresses into few
-    tokens, while names (syllables) and numbers (digits) always split the same way."""
+    """Byte-level BPE without word boundaries, so template boilerplate compresses into few
+    tokens. Entity names always split into their syllables, so no name is memorised (the
+    validation entities are never seen in training). Two choices make copying a tool's
+    result cheap for a tiny model: a digit run is one pre-token (BPE merges every value of
+    the game, 2-99, into one token), and ``<tool_response>`` is ordinary text, which BPE
+    merges with its newlines into one marker token right before the value."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex("|".join(SYLLABLES)), behavior="isolated"),
-            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Digits(individual_digits=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS + TEMPLATE_TOKENS,
+        special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         max_token_length=48,
         show_progress=False,
@@ -97,9 +94,12 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return wrapped
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    """A small Llama. (Not Qwen2: transformers 5 loads the tokenizer of any ``qwen2``-type
+    folder as ``Qwen2Tokenizer``, which swaps in Qwen's pre-tokenizer, so ``AutoTokenizer``
+    would silently tokenize differently from the tokenizer trained here.)"""
     torch.manual_seed(seed)
-    config = Qwen2Config(
+    config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=640,
@@ -114,14 +114,14 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausal
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
     )
-    return Qwen2ForCausalLM(config)
+    return LlamaForCausalLM(config)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=BUNDLED_MODEL_DIR)
     parser.add_argument("--episodes", type=int, default=60_000)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--vocab-size", type=int, default=1536)
     parser.add_argument("--steps", type=int, default=2400)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--learning-rate", type=float, default=2e-3)
@@ -178,42 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[build] saved to {args.out} ({time.time() - started:.0f}s)")
 
 
-def as_llama(model: Qwen2ForCausalLM) -> LlamaForCausalLM:
-    """The same network as a ``LlamaForCausalLM`` (Qwen2 = Llama with q/k/v biases).
-
-    Why: transformers 5 loads any ``qwen2``-type folder's tokenizer as ``Qwen2Tokenizer``,
-    which replaces the pre-tokenizer with Qwen's, so ``AutoTokenizer`` would silently
-    tokenize differently from the tokenizer trained here. A ``llama``-type folder keeps it.
-    """
-    qwen = model.config
-    config = LlamaConfig(
-        vocab_size=qwen.vocab_size,
-        hidden_size=qwen.hidden_size,
-        intermediate_size=qwen.intermediate_size,
-        num_hidden_layers=qwen.num_hidden_layers,
-        num_attention_heads=qwen.num_attention_heads,
-        num_key_value_heads=qwen.num_key_value_heads,
-        max_position_embeddings=qwen.max_position_embeddings,
-        rms_norm_eps=qwen.rms_norm_eps,
-        rope_parameters=qwen.rope_parameters,
-        tie_word_embeddings=True,
-        attention_bias=True,  # Qwen2's q/k/v biases; o_proj's bias is zero
-        bos_token_id=qwen.bos_token_id,
-        eos_token_id=qwen.eos_token_id,
-        pad_token_id=qwen.pad_token_id,
-    )
-    llama = LlamaForCausalLM(config)
-    state = dict(model.state_dict())
-    for name, tensor in llama.state_dict().items():
-        if name.endswith("o_proj.bias"):
-            state[name] = torch.zeros_like(tensor)
-    llama.load_state_dict(state, strict=True)
-    return llama.eval()
-
-
-def save(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    as_llama(model).save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
 
 
