@@ -10,47 +10,39 @@ do not all get the same reward (the groups GRPO can learn from), overall and per
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
 
-import torch
-
-from post_training_cookbook.engine.local import LocalEngine
-from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_VAL_TASKS, ToolUseGameEnv
-from post_training_cookbook.groups import EpisodeRunner, episode_metrics, play_groups
-from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
-from post_training_cookbook.models.loading import load_codec, load_model
-from post_training_cookbook.rollout import EpisodeLimits
+from post_training_cookbook.evaluation import evaluate
+from post_training_cookbook.models import BUNDLED_MODEL_ID
 
 TARGETS = {"success": (0.20, 0.50), "parse_rate": (0.90, 1.0), "reward_variance_share": (0.5, 1.0)}
+LEVEL_KEYS = ("reward_mean", "parse_rate", "reward_variance_share")
 
 
-async def calibrate(model: str, num_tasks: int, episodes_per_task: int) -> dict[str, float]:
-    info = resolve_model(model, codec=None if model == BUNDLED_MODEL_ID else "hermes")
-    codec = load_codec(info)
-    engine = LocalEngine(load_model(info, torch.float32), max_batch_size=128)
-    runner = EpisodeRunner(
-        env_factory=lambda task: ToolUseGameEnv(),
-        sampler=engine,
-        codec=codec,
-        limits=EpisodeLimits(max_turns=6, max_model_length=1024, max_tokens_per_turn=64),
+def calibrate(model: str, num_tasks: int, episodes_per_task: int) -> dict[str, float]:
+    result = evaluate(
+        model,
+        list(TOOL_USE_GAME_VAL_TASKS)[:num_tasks],
+        lambda task: ToolUseGameEnv(),
+        episodes_per_task,
+        max_turns=6,
+        max_model_length=1024,
+        max_tokens_per_turn=64,
+        temperature=1.0,
+        codec=None if model == BUNDLED_MODEL_ID else "hermes",
+        dtype="float32",
+        label="calibration",
+        runs_dir=None,
+        max_batch_size=128,
     )
-    params = SamplingParams(temperature=1.0, stop_token_ids=codec.stop_token_ids)
-    tasks = list(TOOL_USE_GAME_VAL_TASKS)[:num_tasks]
-    try:
-        groups = await play_groups(runner, tasks, episodes_per_task, params)
-    finally:
-        await engine.close()
-    results = episode_metrics(groups, prefix="")
-    results["success"] = results["reward_mean"]
-    for level in (1, 2, 3):
-        level_groups = [g for g in groups if g.task.metadata["level"] == level]
-        for key, value in episode_metrics(level_groups, prefix="").items():
-            if key in ("reward_mean", "parse_rate", "reward_variance_share"):
-                results[f"level{level}/{key}"] = value
+    results = {key.removeprefix("eval/"): value for key, value in result.metrics.items()}
+    results["success"] = result.reward_mean
+    for level, found in result.per_level.items():
+        for key in LEVEL_KEYS:
+            results[f"level{level}/{key}"] = found.metrics[key]
     return results
 
 
@@ -62,7 +54,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the numbers as JSON")
     args = parser.parse_args(argv)
     started = time.time()
-    results = asyncio.run(calibrate(args.model, args.tasks, args.episodes_per_task))
+    results = calibrate(args.model, args.tasks, args.episodes_per_task)
     if args.json:
         print(json.dumps(results, indent=2))
     else:

@@ -1,0 +1,165 @@
+"""What each command does, once its arguments are parsed (heavy imports happen here)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from post_training_cookbook.cli.loading import (
+    DEFAULT_ENV,
+    DEFAULT_TASKS,
+    CliError,
+    load_env_factory,
+    load_tasks,
+    load_train_config,
+)
+
+if TYPE_CHECKING:
+    from post_training_cookbook.evaluation import EvalResult, EvalSettings
+    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.models.catalog import ModelInfo
+
+PROG = "post-training-cookbook"
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from post_training_cookbook.grpo.train import train_multi_turn
+
+    config, env = load_train_config(args.config, args.overrides)
+    if "tasks" not in env:
+        raise CliError(f"{args.config}: env.tasks is missing (the tasks to train on)")
+    factory = load_env_factory(env["factory"])
+    tasks = load_tasks(env["tasks"])
+    val_tasks = load_tasks(env["val_tasks"]) if "val_tasks" in env else None
+    run = train_multi_turn(config, tasks, factory, val_tasks)
+    print(f"run: {run.path}")
+    print(f"final model: {run.final_model_dir}")
+    print(f"next: {PROG} plot {run.path}  |  {PROG} view {run.path}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from post_training_cookbook.evaluation import aevaluate, format_comparison
+
+    transformers_logging.disable_progress_bar()  # weight loading bars, one per model
+
+    config, env = load_train_config(args.config, []) if args.config else (None, {})
+    models = list(args.compare) if args.compare else [args.model or _config_model(config)]
+    if args.step is not None and args.compare:
+        raise CliError("--step applies to one MODEL; with --compare, name checkpoint folders")
+    settings = _eval_settings(args, config)
+    factory = load_env_factory(args.env or env.get("factory") or DEFAULT_ENV)
+    tasks = load_tasks(args.tasks or env.get("val_tasks") or env.get("tasks") or DEFAULT_TASKS)
+    tasks = tasks[: args.num_tasks] if args.num_tasks else tasks
+    codec = args.codec or (config.codec if config else None)
+    results: list[EvalResult] = []
+    for model in models:
+        coroutine = aevaluate(
+            model, tasks, factory, settings,
+            codec=codec, step=args.step, dtype=args.dtype, pass_k=args.pass_k, label=args.label,
+            runs_dir=None if args.no_save else args.runs_dir, progress=sys.stderr.isatty(),
+        )  # fmt: skip
+        results.append(asyncio.run(coroutine))
+    if args.json:
+        summaries = [result.to_dict() for result in results]
+        print(json.dumps(summaries if args.compare else summaries[0], indent=1, default=str))
+    else:
+        print(format_comparison(results))
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    from post_training_cookbook.models.catalog import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps([_model_json(info) for info in models], indent=1))
+        return 0
+    header = ("id", "codec", "sampling", "context", "dtype", "training", "description")
+    rows = [header] + [_model_row(info) for info in models]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        print("  ".join([*cells, row[-1]]).rstrip())
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from post_training_cookbook.plots import save_run_plot
+
+    print(save_run_plot(args.run_dir, args.out))
+    return 0
+
+
+def run_view(args: argparse.Namespace) -> int:
+    from post_training_cookbook.viewer import format_step, load_decoder, load_step, write_html
+
+    view = load_step(args.path, args.step, args.kind)
+    decode = load_decoder(view.source)
+    if decode is None:
+        print("note: no tokenizer found for this run: showing token ids", file=sys.stderr)
+    if args.html:
+        path = write_html(view, decode, args.html)
+        print(f"{path} ({len(view.episodes)} episodes of {view.title})")
+        return 0
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    options = {"limit": args.limit, "group": args.group, "full_prompt": args.full_prompt}
+    print(format_step(view, decode, color=color, **options))
+    return 0
+
+
+def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalSettings:
+    from post_training_cookbook.evaluation import EvalSettings
+
+    base = EvalSettings.from_config(config) if config else EvalSettings()
+    flags = {
+        "episodes_per_task": args.episodes_per_task,
+        "max_turns": args.max_turns,
+        "max_model_length": args.max_model_length,
+        "max_tokens_per_turn": args.max_tokens_per_turn,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "success_threshold": args.success_threshold,
+    }
+    return replace(base, **{key: value for key, value in flags.items() if value is not None})
+
+
+def _config_model(config: GRPOConfig | None) -> str:
+    """The config's model, else GRPOConfig's default: the bundled model."""
+    from post_training_cookbook.models import BUNDLED_MODEL_ID
+
+    return config.model if config is not None else BUNDLED_MODEL_ID
+
+
+def _model_row(info: ModelInfo) -> tuple[str, ...]:
+    sampling = "generator" if info.generator_support else "trainer-only"
+    return (
+        info.model_id,
+        info.codec or "-",
+        sampling,
+        str(info.max_context),
+        info.default_dtype,
+        "/".join(info.training_modes),
+        info.description + (f" ({info.trainer_only_reason})" if info.trainer_only else ""),
+    )
+
+
+def _model_json(info: ModelInfo) -> dict[str, Any]:
+    return {
+        "id": info.model_id,
+        "codec": info.codec,
+        "generator_support": info.generator_support,
+        "trainer_only": info.trainer_only,
+        "max_context": info.max_context,
+        "default_dtype": info.default_dtype,
+        "training_modes": list(info.training_modes),
+        "source": info.source,
+        "description": info.description,
+        "trainer_only_reason": info.trainer_only_reason,
+    }

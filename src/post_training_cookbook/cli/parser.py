@@ -1,0 +1,220 @@
+"""The argument parser of every command, and ``main``: errors become one line and a status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from post_training_cookbook.cli import commands
+from post_training_cookbook.cli.loading import DEFAULT_ENV, DEFAULT_TASKS, CliError
+
+PROG = commands.PROG
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.run(args))
+    except (CliError, ValueError, ImportError) as exc:
+        return _fail(args, exc, status=2)
+    except (OSError, RuntimeError) as exc:
+        return _fail(args, exc, status=1)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(args: argparse.Namespace, exc: BaseException, *, status: int) -> int:
+    if args.traceback:
+        raise exc
+    reason = "; ".join(line.strip(" -") for line in str(exc).splitlines() if line.strip())
+    print(f"{PROG} {args.command}: error: {reason or type(exc).__name__}", file=sys.stderr)
+    return status
+
+
+# --- Parser -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Multi-turn GRPO for tool-use agents: train, evaluate, inspect runs.",
+        epilog="Run '%(prog)s COMMAND --help' for a command's options. Docs: docs/cli.md.",
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", help="show the full traceback of an error"
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_train(subparsers)
+    _add_eval(subparsers)
+    _add_models(subparsers)
+    _add_plot(subparsers)
+    _add_view(subparsers)
+    return parser
+
+
+def _command(subparsers: Any, name: str, summary: str, epilog: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name,
+        help=summary,
+        description=summary,
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS
+    )
+    return parser
+
+
+def _add_train(subparsers: Any) -> None:
+    parser = _command(
+        subparsers,
+        "train",
+        "Train with GRPO (train_multi_turn) from a YAML config.",
+        "The YAML holds GRPOConfig fields plus an 'env:' section:\n\n"
+        "  model: post-training-cookbook/tool-use-tiny\n"
+        "  num_steps: 20\n"
+        "  wandb_project: null\n"
+        "  env:\n"
+        f"    factory: {DEFAULT_ENV}\n"
+        "    tasks: post_training_cookbook.envs.tool_use_game:TOOL_USE_GAME_TRAIN_TASKS\n"
+        f"    val_tasks: {DEFAULT_TASKS}\n\n"
+        "example: %(prog)s run.yaml --set num_steps=2 --set run_name=smoke",
+    )
+    parser.add_argument("config", type=Path, help="YAML file: GRPOConfig fields + env section")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="override a GRPOConfig field (VALUE read as YAML); repeatable",
+    )
+    parser.set_defaults(run=commands.run_train)
+
+
+def _add_eval(subparsers: Any) -> None:
+    parser = _command(
+        subparsers,
+        "eval",
+        "Score a model on an env: mean reward, pass@k, per level, how episodes end.",
+        "MODEL is a catalog id, a local Hugging Face folder, a run directory (its\n"
+        "final_model; --step N for a checkpoint) or a checkpoint folder.\n"
+        "Settings: a flag, else --config's (the run's validation settings), else the\n"
+        "GRPOConfig defaults. Compare models only under the same settings.\n\n"
+        "examples:\n"
+        "  %(prog)s post-training-cookbook/tool-use-tiny --episodes-per-task 4\n"
+        "  %(prog)s --config run.yaml --compare post-training-cookbook/tool-use-tiny runs/x\n"
+        "  %(prog)s runs/x --step 10 --num-tasks 8",
+    )
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="what to evaluate (default: --config's model, else the bundled model)",
+    )
+    which.add_argument(
+        "--compare", nargs=2, metavar=("A", "B"), help="evaluate A and B, print side by side"
+    )
+    parser.add_argument("--step", type=int, metavar="N", help="a run's checkpoint at step N")
+    parser.add_argument(
+        "--config", type=Path, metavar="YAML", help="a training config: env, tasks, settings"
+    )
+    parser.add_argument("--env", metavar="IMPORT", help=f"env factory (default: {DEFAULT_ENV})")
+    parser.add_argument("--tasks", metavar="IMPORT|JSONL", help=f"tasks (default: {DEFAULT_TASKS})")
+    parser.add_argument("--num-tasks", type=_positive, metavar="N", help="only the first N tasks")
+    settings = parser.add_argument_group(
+        "settings", "default: --config's validation settings, else GRPOConfig's defaults"
+    )
+    settings.add_argument(
+        "--episodes-per-task", type=_positive, metavar="N", help="episodes per task (default 1)"
+    )
+    settings.add_argument("--max-turns", type=_positive, metavar="N", help="(default 6)")
+    settings.add_argument("--max-model-length", type=_positive, metavar="N", help="(default 2048)")
+    settings.add_argument(
+        "--max-tokens-per-turn", type=_positive, metavar="N", help="(default 256)"
+    )
+    settings.add_argument("--temperature", type=float, metavar="T", help="(default 1.0; 0 greedy)")
+    settings.add_argument("--top-p", type=float, metavar="P", help="(default 1.0)")
+    settings.add_argument(
+        "--success-threshold", type=float, metavar="R", help="reward that passes (default 1.0)"
+    )
+    settings.add_argument(
+        "--pass-k", type=_positive, nargs="+", metavar="K", help="k of pass@k (default 1,2,4..N)"
+    )
+    parser.add_argument("--codec", help="codec name (default: the catalog's or the run's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="sampling dtype")
+    parser.add_argument("--label", default="eval", help="output folder: eval_LABEL_MODEL_TIME")
+    parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="(default: runs)")
+    parser.add_argument("--no-save", action="store_true", help="write no output folder")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(run=commands.run_eval)
+
+
+def _add_models(subparsers: Any) -> None:
+    parser = _command(
+        subparsers,
+        "models",
+        "List the model catalog: codec, generator support or trainer-only, context, dtype.",
+        "GRPO needs generator support; trainer-only models can still be fine-tuned with SFT.\n"
+        "A local Hugging Face folder also works wherever a model id does.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the catalog as JSON")
+    parser.set_defaults(run=commands.run_models)
+
+
+def _add_plot(subparsers: Any) -> None:
+    parser = _command(
+        subparsers,
+        "plot",
+        "Plot a run's metrics.jsonl: reward, validation reward, how episodes end, timings.",
+        "example: %(prog)s runs/my-run --out reward.png",
+    )
+    parser.add_argument("run_dir", type=Path, metavar="RUN", help="a run directory")
+    parser.add_argument("--out", type=Path, help="PNG path (default: RUN/plots.png)")
+    parser.set_defaults(run=commands.run_plot)
+
+
+def _add_view(subparsers: Any) -> None:
+    parser = _command(
+        subparsers,
+        "view",
+        "Show one step's episodes: turns, tool calls, results, reward, trained tokens.",
+        "Trained tokens (mask 1, sampled) show green, forced ones (prompt, tool results)\n"
+        "dim. RUN is a run directory, an evaluation folder or a rollouts .jsonl file.\n\n"
+        "examples:\n"
+        "  %(prog)s runs/my-run --step 3 | less -R\n"
+        "  %(prog)s runs/my-run --kind val --html val.html",
+    )
+    parser.add_argument("path", type=Path, metavar="RUN", help="run, eval folder or .jsonl")
+    parser.add_argument("--step", type=int, metavar="N", help="step N (default: the last dumped)")
+    parser.add_argument("--kind", choices=("train", "val"), default="train", help="which dump")
+    parser.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML")
+    parser.add_argument("--limit", type=_positive, metavar="N", help="show at most N episodes")
+    parser.add_argument("--group", type=int, metavar="G", help="only group G's episodes")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    parser.add_argument("--full-prompt", action="store_true", help="show the prompt's tokens")
+    parser.set_defaults(run=commands.run_view)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value

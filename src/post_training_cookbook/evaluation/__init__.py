@@ -1,0 +1,37 @@
+"""Evaluation: score a catalog model, a local folder or a run's checkpoint on any env.
+
+    from post_training_cookbook.evaluation import evaluate, format_comparison
+
+    before = evaluate("post-training-cookbook/tool-use-tiny", tasks, env_factory, 4)
+    after = evaluate("runs/my-run", tasks, env_factory, 4)
+    print(format_comparison([before, after]))
+
+``runner`` plays the episodes (as training validation does), ``results`` holds what comes
+back (``EvalResult``, pass@k, tables), ``models`` decides what to load.
+"""
+
+from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
+from post_training_cookbook.evaluation.results import (
+    EvalResult,
+    EvalSettings,
+    LevelResult,
+    TaskResult,
+    format_comparison,
+    format_result,
+    pass_at_k,
+)
+from post_training_cookbook.evaluation.runner import aevaluate, evaluate
+
+__all__ = [
+    "EvalModel",
+    "EvalResult",
+    "EvalSettings",
+    "LevelResult",
+    "TaskResult",
+    "aevaluate",
+    "evaluate",
+    "format_comparison",
+    "format_result",
+    "pass_at_k",
+    "resolve_eval_model",
+]

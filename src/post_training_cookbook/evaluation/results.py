@@ -1,0 +1,300 @@
+"""What an evaluation found: ``EvalResult``, pass@k, and the tables that print it.
+
+Every number comes from the same groups of episodes the training loop plays, summarised by
+``groups.episode_metrics`` under ``eval/``: ``eval/reward_mean`` means what
+``rollout/reward_mean`` and ``val/reward_mean`` mean in a run's metrics. Evaluation adds:
+
+- pass@k: an episode passes when its reward is at least ``success_threshold``; per task,
+  the unbiased estimator over its n episodes with c passes, 1 - C(n-c, k) / C(n, k)
+  (Chen et al., 2021), then the mean over tasks (``eval/pass@k``);
+- per-level results, for tasks whose ``metadata["level"]`` is set, and per-task results;
+- ``eval/length_capped``: the share of episodes with a turn cut at ``max_tokens_per_turn``.
+  When it is high the score measures truncation: raise ``max_tokens_per_turn``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from post_training_cookbook.groups import Group, episode_metrics
+from post_training_cookbook.rollout import EnvErrorPolicy, TruncationCause
+
+if TYPE_CHECKING:
+    from post_training_cookbook.grpo.config import GRPOConfig
+
+LENGTH_CAPPED_WARNING = 0.2
+"""Above this ``eval/length_capped``, the printed table warns that truncation dominates."""
+
+CAUSES = ("terminated", *(cause.value for cause in TruncationCause))
+"""How an episode ends: the env ended it, or one of the truncation causes."""
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything that decides a score besides the model: equal settings, comparable numbers."""
+
+    episodes_per_task: int = 1
+    max_turns: int = 6
+    max_model_length: int = 2048
+    max_tokens_per_turn: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    success_threshold: float = 1.0
+    """An episode passes (for pass@k) when its reward is at least this."""
+    failed_parse_reward: float = 0.0
+    env_errors: EnvErrorPolicy = "raise"
+    env_step_timeout_s: float | None = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("episodes_per_task", "max_turns", "max_model_length", "max_tokens_per_turn"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.env_errors not in ("raise", "truncate"):
+            raise ValueError(f"env_errors must be 'raise' or 'truncate', got {self.env_errors!r}")
+
+    @classmethod
+    def from_config(cls, config: GRPOConfig) -> EvalSettings:
+        """The settings of the run's validation: the same limits, ``val_temperature`` and
+        ``val_episodes_per_task``, so an evaluation compares with its ``val/`` numbers."""
+        return cls(
+            episodes_per_task=config.val_episodes_per_task,
+            max_turns=config.max_turns,
+            max_model_length=config.max_model_length,
+            max_tokens_per_turn=config.max_tokens_per_turn,
+            temperature=config.val_temperature,
+            top_p=config.top_p,
+            failed_parse_reward=config.failed_parse_reward,
+            env_errors=config.env_errors,
+            env_step_timeout_s=config.env_step_timeout_s,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"{self.episodes_per_task} episode(s) per task, max_turns {self.max_turns}, "
+            f"max_model_length {self.max_model_length}, max_tokens_per_turn "
+            f"{self.max_tokens_per_turn}, temperature {self.temperature:g}"
+        )
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    index: int
+    """Position in the evaluated task list."""
+    prompt: str
+    target: str
+    level: str | None
+    rewards: tuple[float, ...]
+    passed: int
+    """Episodes whose reward reached ``success_threshold``."""
+
+    @property
+    def reward_mean(self) -> float:
+        return statistics.fmean(self.rewards)
+
+    def pass_at(self, k: int) -> float:
+        return pass_at_k(len(self.rewards), self.passed, k)
+
+
+@dataclass(frozen=True)
+class LevelResult:
+    num_tasks: int
+    reward_mean: float
+    pass_at_k: dict[int, float]
+    metrics: dict[str, float]
+    """``episode_metrics`` of the level's groups, unprefixed (``parse_rate``, ...)."""
+
+
+@dataclass
+class EvalResult:
+    label: str
+    model: str
+    """The model as given: a catalog id, a folder, a run directory."""
+    model_name: str
+    """Short name, as in the output folder's name."""
+    model_source: str
+    """Where the weights came from (a folder, a hub id, a checkpoint)."""
+    tokenizer_source: str
+    settings: EvalSettings
+    num_tasks: int
+    num_episodes: int
+    reward_mean: float
+    pass_at_k: dict[int, float]
+    termination: dict[str, float]
+    """Share of episodes per way of ending (``CAUSES``); the shares sum to 1."""
+    length_capped: float
+    metrics: dict[str, float]
+    """Every number under ``eval/``: ``episode_metrics``, ``eval/pass@k``."""
+    per_level: dict[str, LevelResult]
+    per_task: list[TaskResult]
+    elapsed_s: float = 0.0
+    output_dir: Path | None = None
+    groups: list[Group] = field(default_factory=list, repr=False)
+    """The episodes themselves (not in ``to_dict``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(replace(self, groups=[]))  # asdict would deep-copy every episode
+        data.pop("groups")
+        data["output_dir"] = str(self.output_dir) if self.output_dir else None
+        return data
+
+
+def pass_at_k(num_episodes: int, num_passed: int, k: int) -> float:
+    """Probability that at least one of k episodes drawn without replacement from
+    ``num_episodes`` (``num_passed`` of which passed) passes: 1 - C(n-c, k) / C(n, k)."""
+    if not 1 <= k <= num_episodes:
+        raise ValueError(f"pass@k needs 1 <= k <= episodes per task ({num_episodes}), got k={k}")
+    if not 0 <= num_passed <= num_episodes:
+        raise ValueError(f"num_passed must be in [0, {num_episodes}], got {num_passed}")
+    if num_episodes - num_passed < k:
+        return 1.0
+    return 1.0 - math.comb(num_episodes - num_passed, k) / math.comb(num_episodes, k)
+
+
+def default_ks(episodes_per_task: int) -> list[int]:
+    """1, 2, 4, ... below ``episodes_per_task``, and ``episodes_per_task`` itself."""
+    ks = [2**i for i in range(episodes_per_task.bit_length()) if 2**i < episodes_per_task]
+    return [*ks, episodes_per_task]
+
+
+def summarize(
+    groups: Sequence[Group], settings: EvalSettings, ks: Sequence[int]
+) -> tuple[dict[str, float], dict[str, LevelResult], list[TaskResult]]:
+    """The ``eval/`` metrics, per-level and per-task results of one group per task."""
+    tasks = [_task_result(index, group, settings) for index, group in enumerate(groups)]
+    metrics = episode_metrics(groups, prefix="eval/")
+    for k in ks:
+        metrics[f"eval/pass@{k}"] = statistics.fmean(task.pass_at(k) for task in tasks)
+    levels: dict[str, LevelResult] = {}
+    for level in sorted({t.level for t in tasks if t.level is not None}, key=_level_order):
+        chosen = [i for i, t in enumerate(tasks) if t.level == level]
+        levels[level] = LevelResult(
+            num_tasks=len(chosen),
+            reward_mean=statistics.fmean(r for i in chosen for r in tasks[i].rewards),
+            pass_at_k={k: statistics.fmean(tasks[i].pass_at(k) for i in chosen) for k in ks},
+            metrics=episode_metrics([groups[i] for i in chosen], prefix=""),
+        )
+    return metrics, levels, tasks
+
+
+def termination_shares(metrics: dict[str, float]) -> dict[str, float]:
+    keys = {"terminated": "eval/terminated_ratio", "env": "eval/env_truncated_ratio"}
+    return {cause: metrics.get(keys.get(cause, f"eval/{cause}_ratio"), 0.0) for cause in CAUSES}
+
+
+def _task_result(index: int, group: Group, settings: EvalSettings) -> TaskResult:
+    level = group.task.metadata.get("level")
+    rewards = tuple(group.rewards)
+    return TaskResult(
+        index=index,
+        prompt=group.task.prompt,
+        target=str(group.task.target),
+        level=None if level is None else str(level),
+        rewards=rewards,
+        passed=sum(reward >= settings.success_threshold for reward in rewards),
+    )
+
+
+def _level_order(level: str) -> tuple[int, float, str]:
+    try:
+        return (0, float(level), level)
+    except ValueError:
+        return (1, 0.0, level)
+
+
+# --- Tables -------------------------------------------------------------------------------------
+
+
+def format_result(result: EvalResult) -> str:
+    """The result as a table (one column)."""
+    return format_comparison([result])
+
+
+def format_comparison(results: Sequence[EvalResult]) -> str:
+    """Results side by side, one column each; with two, a third column B − A."""
+    heads = [f"{chr(ord('A') + i)}: {r.model_name}" for i, r in enumerate(results)]
+    rows = _rows(results)
+    with_delta = len(results) == 2
+    if with_delta:
+        heads.append("B − A")
+        rows = [(name, [*values, _delta(values)]) for name, values in rows]
+    width = max(len(name) for name, _ in rows)
+    columns = [max(len(head), 8) for head in heads]
+    lines = [_settings_line(results), _line("", heads, width, columns)]
+    for name, values in rows:
+        cells = [_cell(value, delta=with_delta and i == 2) for i, value in enumerate(values)]
+        lines.append(_line(name, cells, width, columns))
+    lines += _notes(results)
+    return "\n".join(lines)
+
+
+def _line(name: str, cells: Sequence[str], width: int, columns: Sequence[int]) -> str:
+    padded = (cell.rjust(size) for cell, size in zip(cells, columns, strict=True))
+    return name.ljust(width) + "  " + "  ".join(padded)
+
+
+def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]:
+    def row(name: str, get: Any) -> tuple[str, list[float | None]]:
+        return name, [get(result) for result in results]
+
+    ks = sorted({k for result in results for k in result.pass_at_k})
+    levels = sorted({lv for r in results for lv in r.per_level}, key=_level_order)
+    rows = [row("reward (mean)", lambda r: r.reward_mean)]
+    rows += [row(f"pass@{k}", lambda r, k=k: r.pass_at_k.get(k)) for k in ks]
+    for level in levels:
+        rows.append(row(f"level {level}: reward", lambda r, lv=level: _level_reward(r, lv)))
+    rows += [row(f"ended: {cause}", lambda r, c=cause: r.termination.get(c)) for cause in CAUSES]
+    rows.append(row("eval/length_capped", lambda r: r.length_capped))
+    for key, name in (
+        ("parse_rate", "parse rate"),
+        ("turns_per_episode", "turns / episode"),
+        ("tokens_per_episode", "tokens / episode"),
+    ):
+        rows.append(row(name, lambda r, key=key: r.metrics.get(f"eval/{key}")))
+    return rows
+
+
+def _level_reward(result: EvalResult, level: str) -> float | None:
+    found = result.per_level.get(level)
+    return found.reward_mean if found else None
+
+
+def _delta(values: list[float | None]) -> float | None:
+    first, second = values
+    return None if first is None or second is None else second - first
+
+
+def _cell(value: float | None, *, delta: bool) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.3f}" if delta else f"{value:.3f}"
+
+
+def _settings_line(results: Sequence[EvalResult]) -> str:
+    first = results[0]
+    tasks = f"{first.num_tasks} task(s)"
+    return f"{first.label}: {tasks}, {first.settings.describe()}"
+
+
+def _notes(results: Sequence[EvalResult]) -> list[str]:
+    notes = []
+    if any(
+        r.settings != results[0].settings or r.num_tasks != results[0].num_tasks for r in results
+    ):
+        notes.append("WARNING: the columns were scored with different settings or tasks")
+    for letter, result in zip("ABCDEFGH", results, strict=False):
+        if result.length_capped > LENGTH_CAPPED_WARNING:
+            notes.append(
+                f"WARNING: {letter}: eval/length_capped = {result.length_capped:.2f}; the score "
+                "measures truncation, raise max_tokens_per_turn"
+            )
+    for letter, result in zip("ABCDEFGH", results, strict=False):
+        where = f" → {result.output_dir}" if result.output_dir else ""
+        notes.append(f"{letter}: {result.model}{where}")
+    return notes

@@ -1,0 +1,286 @@
+"""``evaluate``: score a model on any environment, before or after training.
+
+The episodes are played exactly as training validation plays them: the model's codec
+renders the prompt with the env's tools, the ``LocalEngine`` samples each turn within the
+token budget (``max_model_length``, ``max_tokens_per_turn``), and ``groups.play_group``
+runs one group of ``episodes_per_task`` episodes per task. So with the same settings,
+``eval/reward_mean`` of a baseline, of a trained model and ``val/reward_mean`` of the run
+compare. (The hosted cookbook's baseline scripts skip the codec and the token budget, and
+say their numbers do not compare; these do.)
+
+Output, unless ``runs_dir=None``::
+
+    runs/eval_<label>_<model>_<UTC time>/
+        episodes.jsonl   one line per episode, the fields of a run's rollout dumps
+        summary.json     EvalResult.to_dict(): settings, metrics, per level, per task
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import time
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.evaluation.models import (
+    EvalModel,
+    load_eval_weights,
+    resolve_eval_model,
+)
+from post_training_cookbook.evaluation.results import (
+    EvalResult,
+    EvalSettings,
+    default_ks,
+    summarize,
+    termination_shares,
+)
+from post_training_cookbook.groups import EpisodeRunner, Group, play_group
+from post_training_cookbook.models.catalog import require_generator_support
+from post_training_cookbook.rollout import EnvErrorPolicy, Episode
+
+T = TypeVar("T")
+EnvFactory = Callable[[Task], Env]
+
+
+def evaluate(
+    model_or_checkpoint: str | os.PathLike[str],
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    episodes_per_task: int = 1,
+    *,
+    max_turns: int = 6,
+    max_model_length: int = 2048,
+    max_tokens_per_turn: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    success_threshold: float = 1.0,
+    failed_parse_reward: float = 0.0,
+    env_errors: EnvErrorPolicy = "raise",
+    codec: str | None = None,
+    step: int | None = None,
+    dtype: str | None = None,
+    pass_k: Sequence[int] | None = None,
+    label: str = "eval",
+    runs_dir: str | os.PathLike[str] | None = "runs",
+    max_batch_size: int = 64,
+    progress: bool = False,
+) -> EvalResult:
+    """Play ``episodes_per_task`` episodes of every task with ``model_or_checkpoint``.
+
+    ``model_or_checkpoint``: a catalog id, a local Hugging Face folder, a run directory (its
+    ``final_model``, or its checkpoint ``step``), or a checkpoint folder. The limits default
+    to ``GRPOConfig``'s. ``pass_k`` defaults to 1, 2, 4, ... up to ``episodes_per_task``.
+    ``dtype`` defaults to the run's, else the model's. ``runs_dir=None`` writes nothing.
+    Bad input raises ``ValueError`` before any weights load. Callable from sync code, also
+    inside a running event loop; ``aevaluate`` is the async form.
+    """
+    settings = EvalSettings(
+        episodes_per_task=episodes_per_task,
+        max_turns=max_turns,
+        max_model_length=max_model_length,
+        max_tokens_per_turn=max_tokens_per_turn,
+        temperature=temperature,
+        top_p=top_p,
+        success_threshold=success_threshold,
+        failed_parse_reward=failed_parse_reward,
+        env_errors=env_errors,
+    )
+    coroutine = aevaluate(
+        model_or_checkpoint, tasks, env_factory, settings,
+        codec=codec, step=step, dtype=dtype, pass_k=pass_k, label=label, runs_dir=runs_dir,
+        max_batch_size=max_batch_size, progress=progress,
+    )  # fmt: skip
+    return _run_sync(coroutine)
+
+
+async def aevaluate(
+    model_or_checkpoint: str | os.PathLike[str],
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    settings: EvalSettings,
+    *,
+    codec: str | None = None,
+    step: int | None = None,
+    dtype: str | None = None,
+    pass_k: Sequence[int] | None = None,
+    label: str = "eval",
+    runs_dir: str | os.PathLike[str] | None = "runs",
+    max_batch_size: int = 64,
+    progress: bool = False,
+) -> EvalResult:
+    """``evaluate`` for async callers, with the settings as one ``EvalSettings``."""
+    model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
+    ks = _checked(model, tasks, env_factory, settings, pass_k, label)
+    started = time.perf_counter()
+    groups = await _play(model, list(tasks), env_factory, settings, dtype, max_batch_size, progress)
+    metrics, per_level, per_task = summarize(groups, settings, ks)
+    result = EvalResult(
+        label=label,
+        model=str(model_or_checkpoint),
+        model_name=model.name,
+        model_source=model.source,
+        tokenizer_source=model.tokenizer_info.source,
+        settings=settings,
+        num_tasks=len(groups),
+        num_episodes=sum(len(group.episodes) for group in groups),
+        reward_mean=metrics["eval/reward_mean"],
+        pass_at_k={k: metrics[f"eval/pass@{k}"] for k in ks},
+        termination=termination_shares(metrics),
+        length_capped=metrics["eval/length_capped"],
+        metrics=metrics,
+        per_level=per_level,
+        per_task=per_task,
+        elapsed_s=time.perf_counter() - started,
+        groups=groups,
+    )
+    if runs_dir is not None:
+        result.output_dir = write_eval(result, Path(runs_dir))
+    return result
+
+
+def write_eval(result: EvalResult, runs_dir: Path) -> Path:
+    """``runs_dir/eval_<label>_<model>_<time>/`` with episodes.jsonl and summary.json."""
+    folder = _new_folder(runs_dir, f"eval_{result.label}_{result.model_name}")
+    with (folder / "episodes.jsonl").open("w") as file:
+        for record in _episode_records(result.groups):
+            file.write(json.dumps(record, default=str) + "\n")
+    result.output_dir = folder
+    (folder / "summary.json").write_text(json.dumps(result.to_dict(), indent=1, default=str))
+    return folder
+
+
+def _checked(
+    model: EvalModel,
+    tasks: Sequence[Task],
+    env_factory: EnvFactory,
+    settings: EvalSettings,
+    pass_k: Sequence[int] | None,
+    label: str,
+) -> list[int]:
+    """Every check that needs no weights; returns the k of pass@k."""
+    if not tasks:
+        raise ValueError("tasks is empty: pass at least one Task to evaluate on")
+    if not all(isinstance(task, Task) for task in tasks):
+        raise ValueError("tasks must hold post_training_cookbook.envs.Task objects")
+    if not callable(env_factory):
+        raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", label):
+        raise ValueError(f"label must be a folder name (letters, digits, . _ -), got {label!r}")
+    require_generator_support(model.info)
+    if settings.max_model_length > model.info.max_context:
+        raise ValueError(
+            f"max_model_length={settings.max_model_length} exceeds {model.info.model_id}'s "
+            f"context of {model.info.max_context} tokens"
+        )
+    ks = sorted(set(pass_k)) if pass_k else default_ks(settings.episodes_per_task)
+    if not all(1 <= k <= settings.episodes_per_task for k in ks):
+        raise ValueError(
+            f"pass@k needs 1 <= k <= episodes_per_task ({settings.episodes_per_task}), got {ks}"
+        )
+    return ks
+
+
+async def _play(
+    model: EvalModel,
+    tasks: list[Task],
+    env_factory: EnvFactory,
+    settings: EvalSettings,
+    dtype: str | None,
+    max_batch_size: int,
+    progress: bool,
+) -> list[Group]:
+    import torch
+    from tqdm import tqdm
+
+    from post_training_cookbook.engine.local import LocalEngine
+    from post_training_cookbook.engine.types import SamplingParams
+    from post_training_cookbook.models.loading import load_codec
+    from post_training_cookbook.rollout import EpisodeLimits
+
+    codec = load_codec(model.tokenizer_info)
+    engine_dtype = getattr(torch, dtype or model.dtype)
+    engine = LocalEngine(
+        load_eval_weights(model), dtype=engine_dtype, max_batch_size=max_batch_size
+    )
+    limits = EpisodeLimits(
+        max_turns=settings.max_turns,
+        max_model_length=settings.max_model_length,
+        max_tokens_per_turn=settings.max_tokens_per_turn,
+        failed_parse_reward=settings.failed_parse_reward,
+        env_step_timeout_s=settings.env_step_timeout_s,
+        env_errors=settings.env_errors,
+    )
+    runner = EpisodeRunner(env_factory, engine, codec, limits)
+    params = SamplingParams(
+        max_tokens=settings.max_tokens_per_turn,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        stop_token_ids=codec.stop_token_ids,
+    )
+    bar = tqdm(total=len(tasks), desc=f"eval {model.name}", unit="task", disable=not progress)
+
+    async def one(task: Task) -> Group:
+        group = await play_group(runner, task, settings.episodes_per_task, params)
+        bar.update(1)
+        return group
+
+    try:
+        return list(await asyncio.gather(*(one(task) for task in tasks)))
+    finally:
+        bar.close()
+        await engine.close()
+
+
+def _episode_records(groups: Sequence[Group]) -> Iterator[dict[str, Any]]:
+    """The fields of a run's rollout dumps (``grpo/runs.py``), so one viewer reads both."""
+    for index, group in enumerate(groups):
+        for number, episode in enumerate(group.episodes):
+            yield {"step": None, "group": index, "episode": number, **_episode_fields(episode)}
+
+
+def _episode_fields(episode: Episode) -> dict[str, Any]:
+    task = episode.task
+    return {
+        "task": {"prompt": task.prompt, "target": task.target, "metadata": task.metadata},
+        "messages": episode.messages,
+        "reward": episode.reward,
+        "truncation": episode.truncation.value if episode.truncation else None,
+        "num_turns": episode.num_turns,
+        "num_tokens": len(episode.tokens),
+        "num_sampled_tokens": int(sum(episode.mask)),
+        "length_capped_turns": episode.length_capped_turns,
+        "metrics": episode.metrics,
+        "env_error": episode.env_error,
+        "token_ids": episode.tokens,
+        "mask": [int(bit) for bit in episode.mask],
+    }
+
+
+def _new_folder(runs_dir: Path, prefix: str) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    base = runs_dir / f"{prefix}_{stamp}"
+    for attempt in range(1, 1000):
+        folder = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new folder next to {base}")
+
+
+def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    # asyncio.run refuses to start inside a running loop (a notebook): use a thread.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

@@ -1,0 +1,203 @@
+"""``evaluate``: what it scores, the numbers it reports, the files it writes, how it fails."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import statistics
+
+import pytest
+import torch
+from test_eval_common import (
+    SHORT_LIMITS,
+    VARIETY_TASKS,
+    VarietyEnv,
+    tiny_model_dir,
+    trained_run,
+)
+
+from post_training_cookbook.envs import Task
+from post_training_cookbook.evaluation import (
+    EvalSettings,
+    evaluate,
+    format_comparison,
+    pass_at_k,
+    resolve_eval_model,
+)
+from post_training_cookbook.evaluation.models import load_eval_weights
+from post_training_cookbook.evaluation.results import default_ks, summarize
+from post_training_cookbook.groups import Group
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.models import BUNDLED_MODEL_ID
+from post_training_cookbook.rollout import Episode, TruncationCause
+
+
+def variety_eval(model, runs_dir, episodes_per_task=4, **options):
+    return evaluate(
+        model, VARIETY_TASKS, lambda task: VarietyEnv(), episodes_per_task,
+        runs_dir=runs_dir, **SHORT_LIMITS, **options,
+    )  # fmt: skip
+
+
+def episode(task, reward, cause=None, capped=0):
+    return Episode(
+        task, [1, 2, 3], [0.0, 1.0, 1.0], [0.0, -1.0, -1.0], [-1, 0, 0],
+        reward=reward, truncation=cause, num_turns=1, length_capped_turns=capped,
+    )  # fmt: skip
+
+
+# --- pass@k and the summary ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_pass_at_k_equals_the_share_of_k_subsets_holding_a_pass(n):
+    for passed, k in itertools.product(range(n + 1), range(1, n + 1)):
+        outcomes = [True] * passed + [False] * (n - passed)
+        subsets = list(itertools.combinations(outcomes, k))
+        expected = sum(any(subset) for subset in subsets) / len(subsets)
+        assert pass_at_k(n, passed, k) == pytest.approx(expected)
+
+
+def test_pass_at_k_rejects_k_larger_than_the_episodes_of_a_task():
+    with pytest.raises(ValueError, match="k <= episodes per task"):
+        pass_at_k(2, 1, 3)
+
+
+def test_default_pass_k_are_powers_of_two_then_the_group_size():
+    assert default_ks(1) == [1]
+    assert default_ks(4) == [1, 2, 4]
+    assert default_ks(6) == [1, 2, 4, 6]
+
+
+def test_summary_reports_levels_tasks_termination_and_length_capped():
+    easy, hard = Task("a", "1", {"level": 1}), Task("b", "2", {"level": 2})
+    groups = [
+        Group(easy, [episode(easy, 1.0), episode(easy, 0.0, capped=1)]),
+        Group(hard, [episode(hard, 0.0, TruncationCause.MAX_TURNS), episode(hard, 0.0)]),
+    ]
+    metrics, levels, tasks = summarize(groups, EvalSettings(episodes_per_task=2), [1, 2])
+    assert metrics["eval/reward_mean"] == 0.25
+    assert metrics["eval/pass@1"] == pytest.approx((0.5 + 0.0) / 2)
+    assert metrics["eval/pass@2"] == pytest.approx((1.0 + 0.0) / 2)
+    assert metrics["eval/length_capped"] == 0.25
+    assert metrics["eval/max_turns_ratio"] == 0.25
+    assert list(levels) == ["1", "2"]
+    assert levels["1"].reward_mean == 0.5 and levels["2"].pass_at_k == {1: 0.0, 2: 0.0}
+    assert [task.passed for task in tasks] == [1, 0]
+
+
+# --- evaluate on real models --------------------------------------------------------------------
+
+
+def test_evaluate_writes_every_episode_and_a_summary_that_agree(tmp_path):
+    result = variety_eval(str(tiny_model_dir()), tmp_path, label="base")
+    assert result.output_dir is not None and result.output_dir.parent == tmp_path
+    assert result.output_dir.name.startswith("eval_base_tiny-llama_")
+    records = [json.loads(line) for line in (result.output_dir / "episodes.jsonl").open()]
+    assert len(records) == len(VARIETY_TASKS) * 4 == result.num_episodes
+    assert statistics.fmean(r["reward"] for r in records) == pytest.approx(result.reward_mean)
+    assert all(len(r["token_ids"]) == len(r["mask"]) and sum(r["mask"]) > 0 for r in records)
+    summary = json.loads((result.output_dir / "summary.json").read_text())
+    assert summary["metrics"]["eval/reward_mean"] == pytest.approx(result.reward_mean)
+    assert sorted(summary["pass_at_k"]) == ["1", "2", "4"]
+    assert set(summary["per_level"]) == {"1", "2"}
+    assert sum(result.termination.values()) == pytest.approx(1.0)
+    assert "eval/length_capped" in result.metrics
+
+
+def test_evaluate_without_runs_dir_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = variety_eval(str(tiny_model_dir()), None, episodes_per_task=1)
+    assert result.output_dir is None and not any(tmp_path.iterdir())
+
+
+def test_evaluate_runs_inside_a_running_event_loop(tmp_path):
+    async def from_a_notebook():
+        return variety_eval(str(tiny_model_dir()), None, episodes_per_task=1)
+
+    assert asyncio.run(from_a_notebook()).num_episodes == len(VARIETY_TASKS)
+
+
+def test_a_run_directory_is_scored_with_its_final_model_and_base_codec():
+    model = resolve_eval_model(trained_run())
+    assert model.weights_dir == trained_run() / "final_model"
+    assert model.info.codec == "hermes" and model.name == "variety"
+
+
+def test_a_training_checkpoint_merged_on_the_base_equals_the_final_model_of_that_step():
+    final = load_eval_weights(resolve_eval_model(trained_run())).state_dict()
+    merged = load_eval_weights(resolve_eval_model(trained_run(), step=2)).state_dict()
+    base = load_eval_weights(resolve_eval_model(str(tiny_model_dir()))).state_dict()
+    assert set(merged) == set(final)
+    for name in final:
+        torch.testing.assert_close(merged[name], final[name])
+    assert any(not torch.equal(base[name], final[name]) for name in final)
+
+
+def test_a_checkpoint_folder_names_its_run_and_step():
+    model = resolve_eval_model(trained_run() / "checkpoints" / "step_000001")
+    assert model.name == "variety-step1" and model.run_config is not None
+    assert model.checkpoint == trained_run() / "checkpoints" / "step_000001"
+
+
+def test_baseline_and_trained_model_print_side_by_side_with_a_delta(tmp_path):
+    before = variety_eval(str(tiny_model_dir()), tmp_path, episodes_per_task=2)
+    after = variety_eval(trained_run(), tmp_path, episodes_per_task=2)
+    table = format_comparison([before, after])
+    assert "A: tiny-llama" in table and "B: variety" in table and "B − A" in table
+    delta = after.reward_mean - before.reward_mean
+    assert f"{delta:+.3f}" in table.splitlines()[2]
+    assert "different settings" not in table
+
+
+def test_comparison_warns_when_settings_differ(tmp_path):
+    first = variety_eval(str(tiny_model_dir()), None, episodes_per_task=1)
+    second = variety_eval(str(tiny_model_dir()), None, episodes_per_task=1, temperature=0.5)
+    assert "WARNING: the columns were scored with different settings" in format_comparison(
+        [first, second]
+    )
+
+
+def test_eval_settings_from_a_config_are_its_validation_settings():
+    config = GRPOConfig(max_turns=3, val_temperature=0.25, val_episodes_per_task=5)
+    settings = EvalSettings.from_config(config)
+    assert (settings.max_turns, settings.temperature, settings.episodes_per_task) == (3, 0.25, 5)
+
+
+# --- failures before any weights load -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"tasks": []}, "tasks is empty"),
+        ({"step": 3}, "needs a run directory"),
+        ({"episodes_per_task": 2, "pass_k": [4]}, "1 <= k <= episodes_per_task"),
+        ({"max_model_length": 4096}, "exceeds"),
+        ({"label": "a/b"}, "label must be a folder name"),
+        ({"env_factory": "not callable"}, "env_factory must be a callable"),
+    ],
+)
+def test_bad_input_fails_with_a_reason_before_loading(options, message, monkeypatch):
+    monkeypatch.setattr(
+        "post_training_cookbook.evaluation.runner.load_eval_weights",
+        lambda model: pytest.fail("weights loaded before the input was checked"),
+    )
+    arguments = {"tasks": VARIETY_TASKS, "env_factory": lambda task: VarietyEnv()}
+    arguments.update(options)
+    with pytest.raises(ValueError, match=message):
+        evaluate(
+            str(tiny_model_dir()), arguments.pop("tasks"), arguments.pop("env_factory"),
+            runs_dir=None, **{**SHORT_LIMITS, **arguments},
+        )  # fmt: skip
+
+
+def test_a_missing_checkpoint_lists_the_steps_there_are():
+    with pytest.raises(ValueError, match="no checkpoint for step 7; checkpoints: 1, 2"):
+        resolve_eval_model(trained_run(), step=7)
+
+
+def test_an_unknown_model_names_the_catalog():
+    with pytest.raises(ValueError, match=BUNDLED_MODEL_ID):
+        resolve_eval_model("no/such-model")
