@@ -156,7 +156,7 @@ def test_eval_compare_prints_a_baseline_and_the_trained_model_side_by_side(capsy
     assert "6 task(s), 2 episode(s) per task, max_turns 2" in out  # the config's settings
     rows = {line.split("  ")[0]: line.split()[-3:] for line in out.splitlines()[2:]}
     before, after, delta = (float(value) for value in rows["reward (mean)"])
-    assert delta == pytest.approx(after - before, abs=1e-3)
+    assert delta == pytest.approx(after - before, abs=2e-3)  # each printed to 3 decimals
     assert len(list((tmp_path / "evals").iterdir())) == 2
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from post_training_cookbook.codecs import Codec
@@ -19,6 +19,7 @@ from post_training_cookbook.rollout import (
     EpisodeLimits,
     Sampler,
     TruncationCause,
+    derive_seed,
     run_episode,
 )
 
@@ -48,26 +49,47 @@ class EpisodeRunner:
 
 
 async def play_group(
-    runner: EpisodeRunner, task: Task, num_episodes: int, params: SamplingParams
+    runner: EpisodeRunner,
+    task: Task,
+    num_episodes: int,
+    params: SamplingParams,
+    seed: int | None = None,
 ) -> Group:
-    episodes = await asyncio.gather(
-        *(
-            run_episode(
-                task, runner.env_factory, runner.sampler, runner.codec, params, runner.limits
-            )
-            for _ in range(num_episodes)
+    """``num_episodes`` episodes of ``task``, concurrently; ``seed`` makes them repeatable
+    (each episode gets its own derived seed, so they still differ from each other)."""
+
+    def one(index: int) -> Awaitable[Episode]:
+        episode_seed = None if seed is None else derive_seed(seed, index)
+        return run_episode(
+            task,
+            runner.env_factory,
+            runner.sampler,
+            runner.codec,
+            params,
+            runner.limits,
+            episode_seed,
         )
-    )
+
+    episodes = await asyncio.gather(*(one(index) for index in range(num_episodes)))
     return Group(task, list(episodes))
 
 
 async def play_groups(
-    runner: EpisodeRunner, tasks: Sequence[Task], num_episodes: int, params: SamplingParams
+    runner: EpisodeRunner,
+    tasks: Sequence[Task],
+    num_episodes: int,
+    params: SamplingParams,
+    seeds: Sequence[int | None] | None = None,
 ) -> list[Group]:
     """All groups concurrently (the engine batches their turns together)."""
-    return list(
-        await asyncio.gather(*(play_group(runner, task, num_episodes, params) for task in tasks))
+    group_seeds = list(seeds) if seeds is not None else [None] * len(tasks)
+    groups = await asyncio.gather(
+        *(
+            play_group(runner, task, num_episodes, params, seed)
+            for task, seed in zip(tasks, group_seeds, strict=True)
+        )
     )
+    return list(groups)
 
 
 def episode_metrics(groups: Sequence[Group], prefix: str = "rollout/") -> dict[str, float]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, TypeVar
@@ -127,8 +128,11 @@ async def run_episode(
     codec: Codec,
     params: SamplingParams,
     limits: EpisodeLimits,
+    seed: int | None = None,
 ) -> Episode:
-    """Play one episode of ``task`` with a fresh env; ``close()`` runs however it ends."""
+    """Play one episode of ``task`` with a fresh env; ``close()`` runs however it ends.
+
+    ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed)."""
     env = env_factory(task)
     turn = 0
     try:
@@ -144,7 +148,8 @@ async def run_episode(
             if budget < 1:
                 return _truncated(episode, TruncationCause.CONTEXT_OVERFLOW)
             max_tokens = min(limits.max_tokens_per_turn, budget)
-            turn_params = replace(params, max_tokens=max_tokens)
+            turn_seed = params.seed if seed is None else derive_seed(seed, turn)
+            turn_params = replace(params, max_tokens=max_tokens, seed=turn_seed)
             (sampled,) = await sampler.sample(episode.tokens, 1, turn_params)
             episode.add_sampled(sampled)
             turn += 1
@@ -170,6 +175,12 @@ async def run_episode(
             episode.add_forced(extension)
     finally:
         await _close(env, limits, task, turn)
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from ``parts``, stable across processes (unlike ``hash``)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _record(episode: Episode, result: StepResult) -> None:

@@ -28,12 +28,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.groups import Group, episode_metrics, play_group
-from post_training_cookbook.grpo.advantages import build_training_batch
+from post_training_cookbook.groups import Group, play_group
 from post_training_cookbook.grpo.collect import is_informative
 from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.data import TaskStream
+from post_training_cookbook.grpo.runs import LoopState
 from post_training_cookbook.grpo.session import Session
-from post_training_cookbook.rollout import Episode
+from post_training_cookbook.grpo.steps import (
+    RunContext,
+    checkpoint_due,
+    dump_and_describe,
+    save_checkpoint,
+    train_on_groups,
+    validate,
+    validation_due,
+)
+from post_training_cookbook.rollout import Episode, derive_seed
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ class RolloutWorkers:
     ) -> None:
         self._session = session
         self._config = config
-        self._tasks = list(tasks)
+        self._stream = TaskStream(tasks, config.seed)
         self._positions = ledger.positions_to_hand_out()
         self.queue: asyncio.Queue[StampedGroup] = asyncio.Queue()
         self._workers: list[asyncio.Task[None]] = []
@@ -93,10 +103,11 @@ class RolloutWorkers:
         session, config = self._session, self._config
         while True:
             position = self._positions.take()
-            task = task_at(self._tasks, config.seed, position)
+            task = self._stream.at(position)
             version = session.service.policy_state().applied_weights_version
+            seed = derive_seed(config.seed, "train", position)
             group = await play_group(
-                session.runner, task, config.episodes_per_task, session.train_params
+                session.runner, task, config.episodes_per_task, session.train_params, seed
             )
             await self.queue.put(StampedGroup(group, position, version))
 
@@ -110,13 +121,6 @@ class RolloutWorkers:
         for worker in self._workers:
             if worker.done() and not worker.cancelled() and worker.exception() is not None:
                 raise worker.exception()  # type: ignore[misc]
-
-
-def task_at(tasks: Sequence[Task], seed: int, position: int) -> Task:
-    """The task at ``position`` of the seeded epoch-by-epoch shuffle (as ``TaskStream``)."""
-    from post_training_cookbook.grpo.data import TaskStream
-
-    return TaskStream(tasks, seed, cursor=position).take(1)[0]
 
 
 @dataclass
@@ -188,36 +192,70 @@ async def _next_group(workers: RolloutWorkers) -> StampedGroup:
             continue
 
 
-async def async_step(
-    session: Session,
-    workers: RolloutWorkers,
-    ledger: PositionLedger,
-    config: GRPOConfig,
-    step: int,
-) -> tuple[dict[str, float], list[Group]]:
-    """One async step: admit → score → train → publish. Returns metrics and the groups."""
+async def run_async_steps(
+    ctx: RunContext,
+    tasks: Sequence[Task],
+    val_tasks: Sequence[Task],
+    start: int,
+    resumed: LoopState | None,
+) -> None:
+    """Async steps while ``groups_in_flight`` rollout workers keep collecting."""
+    config = ctx.config
+    ledger = (
+        PositionLedger(resumed.task_cursor, resumed.done_positions) if resumed else PositionLedger()
+    )
+    workers = RolloutWorkers(ctx.session, config, tasks, ledger)
+    workers.start()
+    try:
+        for step in range(start, config.num_steps):
+            metrics: dict[str, float] = {}
+            if validation_due(config, step) and val_tasks:
+                metrics |= await _validate(ctx, val_tasks, step)
+            metrics |= await _async_step(ctx, workers, ledger, step)
+            ctx.record(step, metrics)
+            if checkpoint_due(config, step + 1):
+                state = LoopState(
+                    step + 1, ledger.low_water, config.run_name or "", sorted(ledger.done_above)
+                )
+                await save_checkpoint(ctx, state)
+    finally:
+        await workers.stop()
+
+
+async def _validate(ctx: RunContext, val_tasks: Sequence[Task], step: int) -> dict[str, float]:
+    """``sequential_validation``: a blocking phase at one exact version (the trainer waits;
+    workers keep collecting under that same version). Otherwise validation episodes run
+    beside training and record the version they started at."""
+    if ctx.config.sequential_validation:
+        return await validate(ctx, val_tasks, step)
+    ctx.background_validation = asyncio.create_task(validate(ctx, val_tasks, step))
+    return {}
+
+
+async def _async_step(
+    ctx: RunContext, workers: RolloutWorkers, ledger: PositionLedger, step: int
+) -> dict[str, float]:
+    """Admit → score → train → publish, while the workers keep collecting."""
+    config, service = ctx.config, ctx.session.service
     started = time.perf_counter()
-    trainer_version = session.service.policy_state().trainer_step
+    idle_before = service.generator_idle_s()
+    trainer_version = service.policy_state().trainer_step
     admission = await admit_groups(workers, ledger, config, trainer_version)
     admitted = time.perf_counter()
     groups = [stamped.group for stamped in admission.admitted]
-    batch = build_training_batch(admission.informative_groups(config)[: config.batch_size], config)
-    metrics = episode_metrics(groups) | admission.metrics(config) | batch.metrics()
-    synced = trained = admitted
-    if batch.samples:
-        result = await session.service.forward_backward(batch.samples, config.loss_config())
-        optim = await session.service.optim_step(config.learning_rate_at(step))
-        metrics |= {"loss/loss": result.loss} | result.metrics | optim.metrics
-        trained = time.perf_counter()
-        await session.service.weights_sync(config.weight_sync_type)
-        synced = time.perf_counter()
-    state = session.service.policy_state()
-    metrics |= {
-        "policy/version": float(state.trainer_step),
-        "policy/applied_version": float(state.applied_weights_version),
+    metrics = await train_on_groups(ctx, admission.informative_groups(config), step)
+    metrics |= dump_and_describe(ctx, step, groups) | admission.metrics(config)
+    metrics |= await _finished_background_validation(ctx)
+    return metrics | {
         "time/admit": admitted - started,
-        "time/train": trained - admitted,
-        "time/weight_sync": synced - trained,
-        "time/step": synced - started,
+        "time/step": time.perf_counter() - started,
+        "async/generator_idle_s": service.generator_idle_s() - idle_before,
     }
-    return metrics, groups
+
+
+async def _finished_background_validation(ctx: RunContext) -> dict[str, float]:
+    task = ctx.background_validation
+    if task is None or not task.done():
+        return {}
+    ctx.background_validation = None
+    return task.result()

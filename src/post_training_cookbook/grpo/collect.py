@@ -14,6 +14,7 @@ from post_training_cookbook.groups import EpisodeRunner, Group, play_groups
 from post_training_cookbook.grpo.advantages import shaped_reward
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.data import TaskStream
+from post_training_cookbook.rollout import derive_seed
 
 
 @dataclass
@@ -48,6 +49,10 @@ async def collect_groups(
         if missing <= 0:
             break
         collection.attempts += 1
-        tasks = stream.take(missing if collection.attempts > 1 else config.batch_size)
-        collection.groups += await play_groups(runner, tasks, config.episodes_per_task, params)
+        taken = stream.take(missing if collection.attempts > 1 else config.batch_size)
+        tasks = [task for _, task in taken]
+        seeds = [derive_seed(config.seed, "train", position) for position, _ in taken]
+        collection.groups += await play_groups(
+            runner, tasks, config.episodes_per_task, params, seeds
+        )
     return collection

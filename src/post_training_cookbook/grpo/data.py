@@ -25,10 +25,15 @@ class TaskStream:
             range(len(self._tasks)), len(self._tasks)
         )
 
-    def take(self, count: int) -> list[Task]:
-        taken = []
-        for _ in range(count):
-            epoch, index = divmod(self.cursor, len(self._tasks))
-            taken.append(self._tasks[self._epoch_order(epoch)[index]])
-            self.cursor += 1
+    def at(self, position: int) -> Task:
+        """The task at ``position`` of the stream (the cursor does not move)."""
+        epoch, index = divmod(position, len(self._tasks))
+        return self._tasks[self._epoch_order(epoch)[index]]
+
+    def take(self, count: int) -> list[tuple[int, Task]]:
+        """The next ``count`` (position, task) pairs; the cursor moves past them."""
+        taken = [
+            (position, self.at(position)) for position in range(self.cursor, self.cursor + count)
+        ]
+        self.cursor += count
         return taken

@@ -31,9 +31,10 @@ class WandbLogger:
         if self._run is not None:
             self._run.log(metrics, step=step)
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
+        """Close the W&B run; ``failed`` marks it failed (exit code 1), as a crash should."""
         if self._run is not None:
-            self._run.finish()
+            self._run.finish(exit_code=1 if failed else 0)
 
 
 class ConsoleProgress:
@@ -57,3 +58,9 @@ class ConsoleProgress:
 
     def close(self) -> None:
         self._bar.close()
+
+    def __enter__(self) -> ConsoleProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

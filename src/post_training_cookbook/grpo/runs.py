@@ -1,11 +1,13 @@
 """The run directory and everything written to it.
 
 runs/<run_name>/
-    config.yaml                 the whole config (loads back with GRPOConfig.from_yaml)
-    metrics.jsonl               one line per step (and validation lines), always written
-    rollouts/step_000012.jsonl  every episode of the step: messages, reward, cause, tokens
-    checkpoints/step_000010/    training checkpoint + loop_state.json (written last)
-    final_model/                inference checkpoint: AutoModelForCausalLM.from_pretrained
+    config.yaml                       the whole config (loads back with GRPOConfig.from_yaml)
+    metrics.jsonl                     one line per step (with that step's validation, if
+                                      any), then one for the final validation
+    rollouts/train_step_000012.jsonl  every episode of step 12: messages, reward, cause, tokens
+    rollouts/val_step_000010.jsonl    every episode of the validation before step 10
+    checkpoints/step_000010/          training checkpoint + loop_state.json (written last)
+    final_model/                      inference checkpoint: AutoModelForCausalLM.from_pretrained
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,10 @@ class LoopState:
     step: int
     """Steps completed."""
     task_cursor: int
+    """Lockstep: tasks handed out. Async: the lowest task position not yet done."""
     run_name: str
+    done_positions: list[int] = field(default_factory=list)
+    """Async only: task positions above ``task_cursor`` already done (see async_train)."""
 
 
 class RunDirectory:
@@ -51,14 +56,16 @@ class RunDirectory:
         with self.metrics_path.open("a") as file:
             file.write(json.dumps(_finite(record)) + "\n")
 
-    def truncate_metrics_after(self, step: int) -> None:
-        """On resume: drop lines of steps the checkpoint does not contain."""
+    def drop_metrics_from(self, step: int) -> None:
+        """On resume: drop the lines of step ``step`` and later, which the checkpoint (after
+        ``step`` completed steps) does not contain; the resumed run writes them again. A
+        line the kill cut short is dropped too."""
         if not self.metrics_path.exists():
             return
         kept = [
             line
             for line in self.metrics_path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
+            if (line_step := _step_of(line)) is not None and line_step < step
         ]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
 
@@ -111,7 +118,16 @@ def _episode_records(step: int, group_index: int, group: Group) -> Iterable[dict
             "env_error": episode.env_error,
             "token_ids": episode.tokens,
             "mask": [int(m) for m in episode.mask],
+            "versions": episode.versions,
         }
+
+
+def _step_of(line: str) -> int | None:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return int(record.get("step", 0)) if isinstance(record, dict) else None
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:

@@ -21,19 +21,28 @@ Where this departs from textbook GRPO, and why:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from post_training_cookbook.envs.base import Env, StepResult, Task
-from post_training_cookbook.groups import EpisodeRunner, episode_metrics, play_groups
-from post_training_cookbook.grpo.advantages import build_training_batch
+from post_training_cookbook.grpo.async_train import run_async_steps
 from post_training_cookbook.grpo.collect import collect_groups
-from post_training_cookbook.grpo.config import GRPOConfig, WeightSyncType
+from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.data import TaskStream
 from post_training_cookbook.grpo.reporting import ConsoleProgress, WandbLogger
 from post_training_cookbook.grpo.runs import LoopState, RunDirectory
 from post_training_cookbook.grpo.session import Session
+from post_training_cookbook.grpo.steps import (
+    RunContext,
+    checkpoint_due,
+    dump_and_describe,
+    save_checkpoint,
+    train_on_groups,
+    validate,
+    validation_due,
+)
 from post_training_cookbook.models.catalog import (
     ModelInfo,
     require_generator_support,
@@ -116,11 +125,6 @@ def _checked(
         raise ValueError("tasks and val_tasks must hold post_training_cookbook.envs.Task objects")
     if not callable(env_factory):
         raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
-    if config.is_async:
-        raise ValueError(
-            "max_steps_off_policy (async training) is not available in this version; "
-            "leave it None for lockstep training"
-        )
     if config.validation_interval and not val_tasks:
         raise ValueError("validation_interval > 0 needs val_tasks (or set it to 0)")
     info = resolve_model(config.model, codec=config.codec)
@@ -145,117 +149,78 @@ async def _run(
     if run.path.exists() and not config.resume and any(run.path.iterdir()):
         raise ValueError(f"{run.path} already exists: pick another run_name or set resume=True")
     run.create(config)
-    wandb = WandbLogger(config, str(run.path), resume=resume is not None)  # fails before loading
-    session = await Session.open(config, info, env_factory)
-    stream = TaskStream(tasks, config.seed)
-    start = 0
-    if resume is not None:
-        checkpoint, state = resume
-        await session.service.load_training_checkpoint(checkpoint)
-        start, stream.cursor = state.step, state.task_cursor
-        run.truncate_metrics_after(start)
-    progress = ConsoleProgress(config.num_steps, start, config.run_name or "")
-    try:
-        for step in range(start, config.num_steps):
-            metrics: dict[str, float] = {}
-            if _validation_due(config, step) and val_tasks:
-                metrics |= await _validate(session.runner, config, val_tasks, run, step, session)
-            metrics |= await _train_step(session, stream, config, run, step)
-            _record(run, wandb, progress, step, metrics)
-            if _checkpoint_due(config, step + 1):
-                await _save_checkpoint(
-                    session, run, LoopState(step + 1, stream.cursor, config.run_name or "")
-                )
+    # Whatever fails from here on, what was opened is closed (engines, W&B, the console).
+    async with contextlib.AsyncExitStack() as opened:
+        wandb = WandbLogger(config, str(run.path), resume=config.resume)  # before loading
+        opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
+        opened.push_async_callback(_let_episodes_end, config.env_step_timeout_s)
+        session = await Session.open(config, info, env_factory)
+        opened.push_async_callback(session.close)
+        start = 0
+        if resume is not None:
+            checkpoint, state = resume
+            await session.service.load_training_checkpoint(checkpoint)
+            start = state.step
+        if config.resume:  # also without a finished checkpoint: then the run starts over
+            run.drop_metrics_from(start)
+        progress = opened.enter_context(
+            ConsoleProgress(config.num_steps, start, config.run_name or "")
+        )
+        ctx = RunContext(session, config, run, wandb, progress, time.perf_counter())
+        steps = run_async_steps if config.is_async else run_lockstep_steps
+        await steps(ctx, tasks, val_tasks, start, resume[1] if resume else None)
         if val_tasks and config.validation_interval:
-            final = await _validate(
-                session.runner, config, val_tasks, run, config.num_steps, session
+            ctx.record(
+                config.num_steps, await validate(ctx, val_tasks, config.num_steps), advance=False
             )
-            _record(run, wandb, None, config.num_steps, final)
         await session.service.save_inference_checkpoint(run.final_model_dir)
         progress.note(f"final model: {run.final_model_dir}")
-    finally:
-        progress.close()
-        wandb.finish()
-        await session.close()
     return run
 
 
-async def _train_step(
-    session: Session, stream: TaskStream, config: GRPOConfig, run: RunDirectory, step: int
-) -> dict[str, float]:
+async def _let_episodes_end(env_timeout_s: float | None) -> None:
+    """After an error (the generators are closed by now): wait for the episodes still in
+    flight, so that each closes its env. Left to ``asyncio.run``, they would be cancelled,
+    which can cut an env's ``close()`` short. Their sampling fails at once; an env call still
+    running gets its timeout (twice: ``step``, then ``close``), or 60 s without one."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=2 * (env_timeout_s or 30.0))
+
+
+async def run_lockstep_steps(
+    ctx: RunContext,
+    tasks: Sequence[Task],
+    val_tasks: Sequence[Task],
+    start: int,
+    resumed: LoopState | None,
+) -> None:
+    """Lockstep: rollouts finish before training starts; every step is on-policy."""
+    config = ctx.config
+    stream = TaskStream(tasks, config.seed, cursor=resumed.task_cursor if resumed else 0)
+    for step in range(start, config.num_steps):
+        metrics: dict[str, float] = {}
+        if validation_due(config, step) and val_tasks:
+            metrics |= await validate(ctx, val_tasks, step)
+        metrics |= await _lockstep_step(ctx, stream, step)
+        ctx.record(step, metrics)
+        if checkpoint_due(config, step + 1):
+            await save_checkpoint(ctx, LoopState(step + 1, stream.cursor, config.run_name or ""))
+
+
+async def _lockstep_step(ctx: RunContext, stream: TaskStream, step: int) -> dict[str, float]:
+    config, session = ctx.config, ctx.session
     started = time.perf_counter()
     # 1. collect
     collection = await collect_groups(session.runner, stream, config, session.train_params)
     collected = time.perf_counter()
-    # 2. score
-    batch = build_training_batch(collection.informative(config)[: config.batch_size], config)
-    metrics = episode_metrics(collection.groups) | collection.metrics(config) | batch.metrics()
-    # 3. train
-    if batch.samples:
-        result = await session.service.forward_backward(batch.samples, config.loss_config())
-        optim = await session.service.optim_step(config.learning_rate_at(step))
-        metrics |= {"loss/loss": result.loss} | result.metrics | optim.metrics
-        trained = time.perf_counter()
-        await session.service.weights_sync(WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS)
-    else:
-        trained = time.perf_counter()  # nothing to learn from: no optimizer step
-    synced = time.perf_counter()
+    # 2-3. score, train, publish
+    metrics = await train_on_groups(ctx, collection.informative(config), step)
     # 4. record
-    run.dump_rollouts(step, collection.groups)
+    metrics |= dump_and_describe(ctx, step, collection.groups) | collection.metrics(config)
     sampled_tokens = sum(sum(e.mask) for g in collection.groups for e in g.episodes)
-    metrics |= {
-        "policy/version": float(session.service.policy_state().trainer_step),
+    return metrics | {
         "time/rollout": collected - started,
-        "time/train": trained - collected,
-        "time/weight_sync": synced - trained,
-        "time/step": synced - started,
+        "time/step": time.perf_counter() - started,
         "throughput/sampled_tokens_per_s": sampled_tokens / max(1e-9, collected - started),
     }
-    return metrics
-
-
-async def _validate(
-    runner: EpisodeRunner,
-    config: GRPOConfig,
-    val_tasks: Sequence[Task],
-    run: RunDirectory,
-    step: int,
-    session: Session,
-) -> dict[str, float]:
-    """Validation at the current policy version (nothing trains while it runs)."""
-    started = time.perf_counter()
-    groups = await play_groups(runner, val_tasks, config.val_episodes_per_task, session.val_params)
-    run.dump_rollouts(step, groups, kind="val")
-    metrics = episode_metrics(groups, prefix="val/")
-    metrics["val/policy_version"] = float(session.service.policy_state().applied_weights_version)
-    metrics["time/validation"] = time.perf_counter() - started
-    return metrics
-
-
-def _validation_due(config: GRPOConfig, step: int) -> bool:
-    return config.validation_interval > 0 and step % config.validation_interval == 0
-
-
-def _checkpoint_due(config: GRPOConfig, completed_steps: int) -> bool:
-    return (
-        config.checkpoint_interval > 0 and completed_steps % config.checkpoint_interval == 0
-    ) or completed_steps == config.num_steps
-
-
-async def _save_checkpoint(session: Session, run: RunDirectory, state: LoopState) -> None:
-    folder = run.checkpoint_dir(state.step)
-    await session.service.save_training_checkpoint(folder)
-    run.write_loop_state(folder, state)
-
-
-def _record(
-    run: RunDirectory,
-    wandb: WandbLogger,
-    progress: ConsoleProgress | None,
-    step: int,
-    metrics: dict[str, float],
-) -> None:
-    run.append_metrics({"step": step, **metrics})
-    wandb.log(metrics, step=step)
-    if progress is not None:
-        progress.update(metrics)

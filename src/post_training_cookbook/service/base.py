@@ -60,6 +60,10 @@ class ModelService(abc.ABC):
     def policy_state(self) -> PolicyState: ...
 
     @abc.abstractmethod
+    def generator_idle_s(self) -> float:
+        """Seconds so far during which no generator had a sampling request in flight."""
+
+    @abc.abstractmethod
     async def save_training_checkpoint(self, path: PathLike) -> None:
         """Weights or adapter, optimizer state and step: everything needed to resume."""
 

@@ -16,6 +16,7 @@ Weight sync modes:
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class LocalModelService(ModelService):
             for _ in range(num_generator_replicas)
         ]
         self._in_flight = [0] * num_generator_replicas
+        self._idle_since: float | None = time.perf_counter()
+        self._idle_total = 0.0
         self._target_version = trainer.version
         self._publishing: set[asyncio.Task[None]] = set()
 
@@ -90,11 +93,20 @@ class LocalModelService(ModelService):
         self, prompt_tokens: list[int], n: int, params: SamplingParams
     ) -> list[SampledSequence]:
         replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
+        if self._idle_since is not None:
+            self._idle_total += time.perf_counter() - self._idle_since
+            self._idle_since = None
         self._in_flight[replica] += n
         try:
             return await self.engines[replica].sample(prompt_tokens, n, params)
         finally:
             self._in_flight[replica] -= n
+            if not any(self._in_flight):
+                self._idle_since = time.perf_counter()
+
+    def generator_idle_s(self) -> float:
+        ongoing = time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0
+        return self._idle_total + ongoing
 
     async def forward(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
         return await asyncio.to_thread(self.trainer.forward, samples)
@@ -150,6 +162,8 @@ class LocalModelService(ModelService):
             self.trainer.load_training_checkpoint, path, load_optimizer=load_optimizer
         )
         version = self.trainer.version
+        if version == self._target_version == 0:
+            return version  # no optimizer step yet: the checkpoint holds the base weights
         if version <= self._target_version:
             raise ValueError(
                 f"the checkpoint's version {version} is not newer than the generators' "

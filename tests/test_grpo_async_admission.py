@@ -1,0 +1,105 @@
+"""Async admission: stale groups are dropped and counted apart; the ledger never loses or
+replays a task position."""
+
+import asyncio
+
+from post_training_cookbook.envs import Task
+from post_training_cookbook.groups import Group
+from post_training_cookbook.grpo.async_train import (
+    PositionLedger,
+    RolloutWorkers,
+    StampedGroup,
+    admit_groups,
+)
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.rollout import Episode
+
+
+def episode(reward: float) -> Episode:
+    return Episode(Task("q"), [1, 2], [0.0, 1.0], [0.0, -0.1], [-1, 0], reward=reward)
+
+
+def group(rewards: list[float]) -> Group:
+    return Group(Task("q"), [episode(r) for r in rewards])
+
+
+class QueueOnly(RolloutWorkers):
+    """Real admission against a hand-filled queue (no workers running)."""
+
+    def __init__(self, stamped: list[StampedGroup]) -> None:
+        self.queue = asyncio.Queue()
+        self._workers = []
+        for item in stamped:
+            self.queue.put_nowait(item)
+
+
+def config(**overrides) -> GRPOConfig:
+    values = {
+        "batch_size": 2,
+        "episodes_per_task": 2,
+        "max_steps_off_policy": 1,
+        "wandb_project": None,
+    }
+    return GRPOConfig(**{**values, **overrides})
+
+
+def test_a_group_older_than_max_steps_off_policy_is_dropped_and_counted_as_stale():
+    stamped = [
+        StampedGroup(group([0.0, 1.0]), position=0, start_version=3),  # age 2: stale
+        StampedGroup(group([1.0, 1.0]), position=1, start_version=4),  # age 1: no variance
+        StampedGroup(group([0.0, 1.0]), position=2, start_version=5),  # age 0
+        StampedGroup(group([1.0, 0.0]), position=3, start_version=5),
+    ]
+    ledger = PositionLedger()
+
+    async def admit():
+        return await admit_groups(QueueOnly(stamped), ledger, config(max_sampling_attempts=2), 5)
+
+    admission = asyncio.run(admit())
+    metrics = admission.metrics(config())
+    assert admission.dropped_stale == 1
+    assert [s.position for s in admission.admitted] == [1, 2, 3]
+    assert metrics["async/dropped_stale_groups"] == 1.0
+    # the stale group is not a zero-variance skip: 1 of the 3 admitted groups is
+    assert metrics["rollout/zero_variance_skip_ratio"] == 1 / 3
+    assert metrics["async/policy_age_max"] == 1.0
+    assert ledger.low_water == 4
+
+
+def test_max_steps_off_policy_zero_admits_only_groups_of_the_current_policy():
+    stamped = [
+        StampedGroup(group([0.0, 1.0]), position=i, start_version=v)
+        for i, v in enumerate([6, 7, 7])
+    ]
+
+    async def admit():
+        return await admit_groups(
+            QueueOnly(stamped), PositionLedger(), config(max_steps_off_policy=0), 7
+        )
+
+    admission = asyncio.run(admit())
+    assert admission.dropped_stale == 1 and len(admission.admitted) == 2
+
+
+def test_the_dynamic_sampling_budget_bounds_how_many_fresh_groups_a_step_admits():
+    stamped = [StampedGroup(group([1.0, 1.0]), position=i, start_version=0) for i in range(5)]
+
+    async def admit():
+        return await admit_groups(QueueOnly(stamped), PositionLedger(), config(), 0)
+
+    admission = asyncio.run(admit())
+    assert len(admission.admitted) == 2  # max_sampling_attempts (1) x batch_size (2)
+
+
+def test_the_ledger_hands_out_every_position_not_done_exactly_once_after_a_resume():
+    ledger = PositionLedger()
+    handed = ledger.positions_to_hand_out()
+    first = [handed.take() for _ in range(6)]  # 6 positions in flight
+    for position in (0, 1, 3, 5):  # 2 and 4 were still in flight at the checkpoint
+        ledger.mark_done(position)
+    saved = (ledger.low_water, sorted(ledger.done_above))
+    resumed = PositionLedger(*saved).positions_to_hand_out()
+    again = [resumed.take() for _ in range(4)]
+    assert first == [0, 1, 2, 3, 4, 5]
+    assert saved == (2, [3, 5])
+    assert again == [2, 4, 6, 7]  # nothing lost (2, 4), nothing replayed (3, 5)
