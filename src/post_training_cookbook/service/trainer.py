@@ -3,7 +3,8 @@
 ``forward_backward`` accumulates gradients of a policy-gradient loss over micro-batches;
 ``optim_step`` applies them and bumps the policy version (0 = initial weights);
 ``state_dict_for_inference`` hands merged weights to a generator; checkpoints save and
-restore all of it. Where it departs from a plain HF training step, and why:
+restore all of it (their files are written and read in ``checkpoints``). Where it departs
+from a plain HF training step, and why:
 
 - Log-probabilities are computed only at trained positions: the decoder's hidden states
   are gathered there before the LM head, which is a large share of a small model's step.
@@ -17,7 +18,6 @@ restore all of it. Where it departs from a plain HF training step, and why:
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -29,10 +29,10 @@ from typing import Any, Protocol, cast
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from post_training_cookbook.service import checkpoints
 from post_training_cookbook.service.losses import BatchTotals, get_loss_fn, token_entropy
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
@@ -277,12 +277,9 @@ class Trainer:
     def save_inference_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """A folder that ``AutoModelForCausalLM.from_pretrained`` loads (merged for LoRA),
         with the tokenizer when the trainer has one."""
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        self._causal_lm.save_pretrained(folder, state_dict=self.state_dict_for_inference())
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(folder)
-        return folder
+        return checkpoints.save_inference_checkpoint(
+            path, self._causal_lm, self.state_dict_for_inference(), self.tokenizer
+        )
 
     # ------------------------------------------------------------ training checkpoints
 
@@ -291,28 +288,14 @@ class Trainer:
         RNG states: enough to resume bit-for-bit on the same base model. The folder holds
         safetensors files and ``trainer_state.json``, written last: without it the folder
         is an interrupted save."""
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        names = list(self.trainable_parameters())
-        weights = {n: p.detach().contiguous() for n, p in self.trainable_parameters().items()}
-        save_file(weights, folder / "trainable.safetensors")
-        optimizer_state = self._optimizer.state_dict()
-        optimizer_tensors = {
-            f"{index}.{key}": value.contiguous()
-            for index, state in optimizer_state["state"].items()
-            for key, value in state.items()
-        }
-        save_file(optimizer_tensors, folder / "optimizer.safetensors")
-        save_file(_rng_states(), folder / "rng.safetensors")
-        meta = {
-            "version": self._version,
-            "use_lora": self.use_lora,
-            "lora": self.lora_settings if self.use_lora else None,
-            "parameter_names": names,
-            "optimizer_param_groups": optimizer_state["param_groups"],
-        }
-        (folder / "trainer_state.json").write_text(json.dumps(meta, indent=1))
-        return folder
+        return checkpoints.save_training_checkpoint(
+            path,
+            self.trainable_parameters(),
+            self._optimizer,
+            version=self._version,
+            use_lora=self.use_lora,
+            lora_settings=self.lora_settings,
+        )
 
     def load_training_checkpoint(
         self, path: str | os.PathLike[str], load_optimizer: bool = True
@@ -320,28 +303,22 @@ class Trainer:
         """Restore a training checkpoint. ``load_optimizer=False`` loads the weights only,
         with a fresh optimizer at version 0 (a fork rather than a resume)."""
         folder = Path(path)
-        meta = json.loads((folder / "trainer_state.json").read_text())
-        self._check_compatible(meta)
-        weights = load_file(folder / "trainable.safetensors", device=str(self.device))
-        with torch.no_grad():
-            for name, parameter in self.trainable_parameters().items():
-                parameter.copy_(weights[name])
+        meta = checkpoints.read_training_state(folder)
+        checkpoints.check_compatible(
+            meta,
+            use_lora=self.use_lora,
+            lora_settings=self.lora_settings,
+            parameter_names=list(self.trainable_parameters()),
+        )
+        checkpoints.load_trainable_weights(folder, self.trainable_parameters(), self.device)
         self._optimizer = self._new_optimizer()
         self._version = 0
         if load_optimizer:
-            # On CPU: load_state_dict moves moments to their parameter's device and keeps
-            # AdamW's "step" counters on the CPU, where non-capturable AdamW wants them.
-            tensors = load_file(folder / "optimizer.safetensors", device="cpu")
-            state: dict[int, dict[str, Tensor]] = {}
-            for key, value in tensors.items():
-                index, _, field = key.partition(".")
-                state.setdefault(int(index), {})[field] = value
-            groups = meta["optimizer_param_groups"]
-            for group in groups:
-                group["betas"] = tuple(group["betas"])
-            self._optimizer.load_state_dict({"state": state, "param_groups": groups})
+            checkpoints.load_optimizer_state(
+                folder, self._optimizer, meta["optimizer_param_groups"]
+            )
             self._version = int(meta["version"])
-            _set_rng_states(load_file(folder / "rng.safetensors"))
+            checkpoints.load_rng_states(folder)
         self._zero_grad()
 
     # ------------------------------------------------------------ internals
@@ -357,16 +334,6 @@ class Trainer:
         self._optimizer.zero_grad(set_to_none=True)
         self._has_grads = False
         self._nonfinite_loss = False
-
-    def _check_compatible(self, meta: dict[str, Any]) -> None:
-        if meta["use_lora"] != self.use_lora:
-            raise ValueError(
-                f"checkpoint has use_lora={meta['use_lora']}, trainer has {self.use_lora}"
-            )
-        if self.use_lora and meta["lora"] != self.lora_settings:
-            raise ValueError(f"checkpoint LoRA {meta['lora']} != trainer's {self.lora_settings}")
-        if meta["parameter_names"] != list(self.trainable_parameters()):
-            raise ValueError("checkpoint's trainable parameters do not match this model's")
 
     def _autocast(self) -> AbstractContextManager[object]:
         if not self.autocast_bf16:
@@ -491,23 +458,3 @@ def _batch_totals(samples: Sequence[TrainingSample]) -> BatchTotals:
         num_tokens=float(sum(per_sequence)),
         max_sequence_tokens=float(max(per_sequence)),
     )
-
-
-def _rng_states() -> dict[str, Tensor]:
-    states = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for index, state in enumerate(torch.cuda.get_rng_state_all()):
-            states[f"torch_cuda.{index}"] = state
-    return states
-
-
-def _set_rng_states(states: dict[str, Tensor]) -> None:
-    torch.set_rng_state(states["torch_cpu"])
-    cuda_keys = sorted((k for k in states if k.startswith("torch_cuda.")), key=_device_index)
-    cuda_states = [states[k] for k in cuda_keys]
-    if cuda_states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda_states)
-
-
-def _device_index(key: str) -> int:
-    return int(key.rpartition(".")[2])

@@ -1,0 +1,129 @@
+"""Async vs lockstep GRPO on the bundled model, with 200 ms of latency on every tool call.
+
+    python benchmarks/async_vs_lockstep.py [--steps 8] [--model ID_OR_PATH]
+
+Runs the same recipe (same seed, model, tasks) lockstep and async with each weight sync type,
+for the same number of steps, one after the other in this process, and prints steps/hour,
+the ratio to lockstep, and validation success at the last step. The latency stands in for
+real tools (sandboxes, APIs): lockstep waits for it, async overlaps it with training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from post_training_cookbook.envs import Env, StepResult, Task
+from post_training_cookbook.envs.tool_use_game import (
+    TOOL_USE_GAME_TRAIN_TASKS,
+    TOOL_USE_GAME_VAL_TASKS,
+    ToolUseGameEnv,
+)
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.train import train_multi_turn
+from post_training_cookbook.models import BUNDLED_MODEL_ID
+from post_training_cookbook.types import Message, ToolSpec
+
+TOOL_LATENCY_S = 0.2
+
+
+class LatencyEnv(Env):
+    """Wraps an env: every tool call of a step costs ``TOOL_LATENCY_S`` (awaited, not spun)."""
+
+    def __init__(self, inner: Env) -> None:
+        self._inner = inner
+
+    async def reset(self, task: Task) -> list[Message]:
+        return await self._inner.reset(task)
+
+    async def step(self, message: Message) -> StepResult:
+        for _ in message.get("tool_calls") or []:
+            await asyncio.sleep(TOOL_LATENCY_S)
+        return await self._inner.step(message)
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return self._inner.tool_specs
+
+    @property
+    def messages(self) -> list[Message]:
+        return self._inner.messages
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+VARIANTS: dict[str, dict[str, object]] = {
+    "lockstep": {},
+    "async SYNCHRONOUS": {"max_steps_off_policy": 1},
+    "async BACKGROUND_PUBLISH": {
+        "max_steps_off_policy": 1,
+        "weight_sync_type": "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH",
+    },
+    "async PIPELINE": {"max_steps_off_policy": 1, "weight_sync_type": "WEIGHT_SYNC_TYPE_PIPELINE"},
+}
+
+
+def run_variant(base: GRPOConfig, name: str, overrides: dict[str, object]) -> dict[str, float]:
+    config = replace(base, run_name=name.replace(" ", "_").lower(), **overrides)  # type: ignore[arg-type]
+    started = time.perf_counter()
+    run = train_multi_turn(
+        config,
+        tasks=list(TOOL_USE_GAME_TRAIN_TASKS),
+        env_factory=lambda task: LatencyEnv(ToolUseGameEnv()),
+        val_tasks=list(TOOL_USE_GAME_VAL_TASKS)[:80],
+    )
+    lines = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    training = sum(line.get("time/step", 0.0) for line in lines)
+    final = [line for line in lines if line["step"] == config.num_steps][-1]
+    return {
+        "wall_s": time.perf_counter() - started,
+        "train_s": training,
+        "steps_per_hour": config.num_steps / training * 3600,
+        "val_success": final["val/reward_mean"],
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--model", default=BUNDLED_MODEL_ID)
+    args = parser.parse_args(argv)
+    runs_dir = Path(tempfile.mkdtemp(prefix="async_bench_"))
+    base = GRPOConfig(
+        model=args.model,
+        batch_size=8,
+        episodes_per_task=8,
+        num_steps=args.steps,
+        validation_interval=args.steps,
+        max_turns=6,
+        max_model_length=1024,
+        max_tokens_per_turn=64,
+        learning_rate=1e-4,
+        use_lora=False,
+        wandb_project=None,
+        runs_dir=str(runs_dir),
+        checkpoint_interval=0,
+        seed=0,
+    )
+    results = {name: run_variant(base, name, overrides) for name, overrides in VARIANTS.items()}
+    lockstep = results["lockstep"]["steps_per_hour"]
+    print(f"\n{args.steps} steps, {TOOL_LATENCY_S * 1000:.0f} ms per tool call, {args.model}")
+    print(f"{'variant':26s} {'steps/hour':>10s} {'vs lockstep':>12s} {'val success':>12s}")
+    for name, result in results.items():
+        ratio = result["steps_per_hour"] / lockstep
+        print(
+            f"{name:26s} {result['steps_per_hour']:10.0f} {ratio:11.2f}x "
+            f"{result['val_success']:12.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

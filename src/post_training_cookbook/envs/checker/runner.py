@@ -1,0 +1,254 @@
+"""``check_env`` and ``acheck_env``: drive each script's episode on each task, under timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.checker.checks import (
+    _check_history,
+    _check_messages,
+    _check_result_fields,
+    _check_returns_copy,
+    _check_tool_specs,
+    _difference,
+)
+from post_training_cookbook.envs.checker.report import EnvCheckReport, _Findings, _Recorder
+from post_training_cookbook.envs.checker.scripts import _SCRIPTS, _ScriptContext
+from post_training_cookbook.types import Message
+
+
+def check_env(
+    env_factory: Callable[[Task], Env],
+    tasks: Sequence[Task],
+    *,
+    num_tasks: int = 3,
+    max_turns: int = 12,
+    step_timeout_s: float = 10.0,
+) -> EnvCheckReport:
+    """Run scripted episodes on the first ``num_tasks`` tasks and report what breaks the contract.
+
+    ``max_turns`` bounds the longest script; ``step_timeout_s`` bounds each ``reset``, ``step``
+    and ``close``. Callable from sync code, including inside a running event loop (a notebook).
+    """
+    coroutine = acheck_env(
+        env_factory,
+        tasks,
+        num_tasks=num_tasks,
+        max_turns=max_turns,
+        step_timeout_s=step_timeout_s,
+    )
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    # asyncio.run refuses to start inside a running loop, so give the check a thread of its own.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def acheck_env(
+    env_factory: Callable[[Task], Env],
+    tasks: Sequence[Task],
+    *,
+    num_tasks: int = 3,
+    max_turns: int = 12,
+    step_timeout_s: float = 10.0,
+) -> EnvCheckReport:
+    """``check_env`` for async callers."""
+    if not tasks:
+        raise ValueError("check_env needs at least one task")
+    if num_tasks < 1 or max_turns < 1 or not step_timeout_s > 0:
+        raise ValueError(
+            f"num_tasks and max_turns must be >= 1 and step_timeout_s > 0, got "
+            f"num_tasks={num_tasks}, max_turns={max_turns}, step_timeout_s={step_timeout_s}"
+        )
+    findings = _Findings()
+    chosen_tasks = list(tasks)[:num_tasks]
+    episodes_run = 0
+    for task_index, task in enumerate(chosen_tasks):
+        for script, build in _SCRIPTS.items():
+            env = _build_env(env_factory, task, task_index, findings)
+            if env is None:
+                continue
+            episodes_run += 1
+            episode = _Episode(env, task, task_index, script, findings, step_timeout_s)
+            await episode.run(build, max_turns)
+    return findings.report(len(chosen_tasks), episodes_run)
+
+
+def _build_env(
+    env_factory: Callable[[Task], Env], task: Task, task_index: int, findings: _Findings
+) -> Env | None:
+    try:
+        env = env_factory(task)
+    except Exception as exc:
+        findings.add("error", "env_factory", f"env_factory(task) raised {exc!r}", task_index)
+        return None
+    if not isinstance(env, Env):
+        text = f"env_factory returned a {type(env).__name__}, which does not subclass Env"
+        findings.add("warning", "env_factory", text, task_index)
+    return env
+
+
+class _Episode:
+    """One scripted episode on a fresh env, recording every violation it sees."""
+
+    def __init__(
+        self,
+        env: Env,
+        task: Task,
+        task_index: int,
+        script: str,
+        findings: _Findings,
+        timeout_s: float,
+    ) -> None:
+        self._env, self._task = env, task
+        self._script, self._timeout_s = script, timeout_s
+        self._record = _Recorder(findings, task_index)
+
+    async def run(self, build: Callable[[_ScriptContext], list[Message]], max_turns: int) -> None:
+        steps_taken = 0
+        try:
+            if not await self._reset():
+                return
+            tools = _check_tool_specs(self._record, self._env)
+            for turn, message in enumerate(build(_ScriptContext(self._task, tools, max_turns)), 1):
+                steps_taken += 1
+                if not await self._step(turn, message):
+                    break
+        finally:
+            # The loop closes every episode, however it ended.
+            await self._close("close" if steps_taken else "close right after reset")
+
+    async def _call(
+        self, where: str, what: str, start: Callable[[], Any], consequence: str
+    ) -> tuple[bool, Any]:
+        """Await one env coroutine under the timeout: (True, value), or (False, None) after
+        recording why it failed."""
+        began = time.monotonic()
+        timeout = asyncio.timeout(self._timeout_s)
+        try:
+            awaitable = start()
+            if not inspect.isawaitable(awaitable):
+                got = type(awaitable).__name__
+                self._record.error(
+                    where, f"{what} returned a {got}, not an awaitable; define it with async def"
+                )
+                return False, None
+            async with timeout:
+                value = await awaitable
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and timeout.expired():
+                limit = f"step_timeout_s={self._timeout_s:g}s"
+                self._record.error(
+                    where,
+                    f"{what} did not finish within {limit}; a hung {what} stalls the training run",
+                )
+            else:
+                self._record.error(where, f"{what} raised {exc!r}; {consequence}")
+            return False, None
+        elapsed = time.monotonic() - began
+        if elapsed > self._timeout_s:
+            self._record.error(
+                where,
+                f"{what} ran past step_timeout_s={self._timeout_s:g}s without "
+                "yielding to the event loop (a blocking call in async code); "
+                "it stalls the training run",
+            )
+        return True, value
+
+    def _history(self, where: str) -> list[Message] | None:
+        try:
+            history = self._env.messages
+        except Exception as exc:
+            self._record.error(where, f"env.messages raised {exc!r}")
+            return None
+        if not isinstance(history, list):
+            self._record.error(
+                where, f"env.messages is a {type(history).__name__}, not a list of messages"
+            )
+            return None
+        return history
+
+    async def _reset(self) -> bool:
+        ok, opening = await self._call(
+            "reset",
+            "reset",
+            lambda: self._env.reset(self._task),
+            "an exception escaping reset stops the training run",
+        )
+        if not ok:
+            return False
+        if not isinstance(opening, list):
+            got = type(opening).__name__
+            self._record.error("reset", f"reset returned a {got}, not a list of messages")
+            return False
+        if not opening:
+            self._record.error(
+                "reset", "reset returned no messages; return the opening ones (system, user, ...)"
+            )
+        _check_messages(self._record, "reset", "reset's return value", opening)
+        history = self._history("reset")
+        if history is None:
+            return False
+        if history != opening:
+            self._record.error(
+                "reset",
+                f"reset's return value differs from env.messages ({_difference(opening, history)})",
+            )
+        _check_returns_copy(self._record, self._env, copy.deepcopy(history), opening)
+        return True
+
+    async def _step(self, turn: int, message: Message) -> bool:
+        """Send one scripted message and check the reply; True while the episode goes on."""
+        where = f"script {self._script!r}, turn {turn}"
+        before = self._history(where)
+        if before is None:
+            return False
+        before = copy.deepcopy(before)
+        has_calls = bool(message.get("tool_calls"))
+        consequence = "an exception escaping step stops the training run"
+        if has_calls:
+            consequence += " — return a tool message instead"
+        sent = copy.deepcopy(message)  # the env may keep and mutate what it is given
+        ok, result = await self._call(where, "step", lambda: self._env.step(sent), consequence)
+        if not ok:
+            return False
+        if not isinstance(result, StepResult):
+            self._record.error(where, f"step returned a {type(result).__name__}, not a StepResult")
+            return False
+        ended = _check_result_fields(self._record, where, result)
+        history = self._history(where)
+        if history is None:
+            return False
+        _check_history(self._record, where, before, message, result, history, ended)
+        if not has_calls and not ended:
+            self._record.warn(
+                where,
+                "a final answer (an assistant message without tool calls) did not end the "
+                "episode; the cookbook's envs return terminated=True for it, otherwise the loop "
+                "runs on to max_turns",
+            )
+        return not ended
+
+    async def _close(self, where: str) -> None:
+        ok, _ = await self._call(
+            where,
+            "close",
+            lambda: self._env.close(),
+            "the loop closes every episode, so this stops the training run",
+        )
+        if ok:
+            await self._call(
+                where,
+                "a second close",
+                lambda: self._env.close(),
+                "close is not idempotent; make later calls no-ops",
+            )
