@@ -30,7 +30,12 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
-from post_training_cookbook.envs.tool_use_game.teacher import BUNDLED_MODEL_TEACHER, play_episode
+from post_training_cookbook.envs.tool_use_game.teacher import (
+    BUNDLED_MODEL_TEACHER,
+    ORACLE,
+    TeacherErrors,
+    play_episode,
+)
 from post_training_cookbook.envs.tool_use_game.world import SYLLABLES
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR
 from post_training_cookbook.sft import SFTConfig, SFTStepLog, tokenize_conversations, train_sft
@@ -40,7 +45,9 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", 
 Conversation = tuple[list[Message], list[ToolSpec]]
 
 
-def teacher_conversations(num_episodes: int, seed: int) -> list[Conversation]:
+def teacher_conversations(
+    num_episodes: int, seed: int, errors: TeacherErrors = BUNDLED_MODEL_TEACHER
+) -> list[Conversation]:
     """Teacher episodes on the train split, cycling through its tasks in shuffled order."""
     rng = random.Random(seed)
     tasks = list(TOOL_USE_GAME_TRAIN_TASKS)
@@ -51,9 +58,7 @@ def teacher_conversations(num_episodes: int, seed: int) -> list[Conversation]:
             if index % len(tasks) == 0:
                 rng.shuffle(tasks)
             env = ToolUseGameEnv()
-            messages, _ = await play_episode(
-                env, tasks[index % len(tasks)], rng, BUNDLED_MODEL_TEACHER
-            )
+            messages, _ = await play_episode(env, tasks[index % len(tasks)], rng, errors)
             conversations.append((messages, env.tool_specs))
         return conversations
 
@@ -108,10 +113,9 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
         num_key_value_heads=2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        rope_theta=10000.0,
         initializer_range=0.02,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=tokenizer.pad_token_id,  # <|endoftext|>
+        eos_token_id=tokenizer.eos_token_id,  # <|im_end|>
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
@@ -122,25 +126,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=BUNDLED_MODEL_DIR)
     parser.add_argument("--episodes", type=int, default=60_000)
     parser.add_argument("--vocab-size", type=int, default=1536)
-    parser.add_argument("--steps", type=int, default=2400)
+    parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--checkpoint-every", type=int, default=400)
+    parser.add_argument("--checkpoint-every", type=int, default=250)
+    parser.add_argument(
+        "--oracle-fraction",
+        type=float,
+        default=0.4,
+        help="share of the steps trained on the oracle's episodes first",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.time()
 
+    # Curriculum: the oracle's clean episodes first (every number the model writes is one
+    # it can copy from its context), then the imperfect teacher whose mistakes RL will fix.
+    oracle = teacher_conversations(args.episodes // 3, args.seed + 1, ORACLE)
     conversations = teacher_conversations(args.episodes, args.seed)
-    print(f"[build] {len(conversations)} teacher episodes ({time.time() - started:.0f}s)")
+    print(f"[build] {len(oracle)} oracle + {len(conversations)} teacher episodes")
     texts = [
-        render_jinja_template([messages], tools=tools, chat_template=HERMES_CHAT_TEMPLATE)[0][0]
+        render_jinja_template(
+            [[dict(m) for m in messages]],
+            tools=[dict(tool) for tool in tools],
+            chat_template=HERMES_CHAT_TEMPLATE,
+        )[0][0]
         for messages, tools in conversations[:5000]
     ]
     tokenizer = train_tokenizer(texts, args.vocab_size)
     codec = get_codec("hermes", tokenizer, default_system=None)
+    oracle_examples = tokenize_conversations(codec, oracle)
     examples = tokenize_conversations(codec, conversations)
     lengths = sorted(len(example.tokens) for example in examples)
     trained = sum(sum(example.mask) for example in examples)
@@ -152,27 +170,41 @@ def main(argv: list[str] | None = None) -> None:
 
     model = build_model(tokenizer, args.seed)
     print(f"[build] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    config = SFTConfig(
-        learning_rate=args.learning_rate,
-        batch_size=args.batch_size,
-        num_steps=args.steps,
-        warmup_steps=min(50, args.steps // 10),
-        seed=args.seed,
-        autocast_bf16=args.bf16,
-    )
     args.out.mkdir(parents=True, exist_ok=True)
+    oracle_steps = round(args.steps * args.oracle_fraction)
+    phases = [
+        ("oracle", oracle_examples, oracle_steps),
+        ("teacher", examples, args.steps - oracle_steps),
+    ]
+    done = 0
+    for phase, phase_examples, steps in phases:
+        if steps <= 0:
+            continue
+        config = SFTConfig(
+            learning_rate=args.learning_rate,
+            batch_size=args.batch_size,
+            num_steps=steps,
+            warmup_steps=min(50, steps // 10),
+            seed=args.seed,
+            autocast_bf16=args.bf16,
+        )
 
-    def on_step(log: SFTStepLog) -> None:
-        if log.step % 50 == 0 or log.step == config.num_steps - 1:
-            print(
-                f"[sft] step {log.step:5d} loss {log.loss:.4f} lr {log.learning_rate:.2e} "
-                f"grad {log.grad_norm:.2f} ({time.time() - started:.0f}s)",
-                flush=True,
-            )
-        if (log.step + 1) % args.checkpoint_every == 0:
-            save(model, tokenizer, args.out / "checkpoints" / f"step_{log.step + 1}")
+        def on_step(log: SFTStepLog, phase: str = phase, offset: int = done) -> None:
+            step = offset + log.step
+            if log.step % 50 == 0:
+                print(
+                    f"[sft:{phase}] step {step:5d} loss {log.loss:.4f} "
+                    f"lr {log.learning_rate:.2e} grad {log.grad_norm:.2f} "
+                    f"({time.time() - started:.0f}s)",
+                    flush=True,
+                )
+            if (step + 1) % args.checkpoint_every == 0:
+                save(model, tokenizer, args.out / "checkpoints" / f"step_{step + 1}")
 
-    train_sft(model, examples, config, pad_token_id=tokenizer.pad_token_id, on_step=on_step)
+        train_sft(
+            model, phase_examples, config, pad_token_id=tokenizer.pad_token_id, on_step=on_step
+        )
+        done += steps
     save(model, tokenizer, args.out)
     (args.out / "build_args.json").write_text(json.dumps(vars(args), default=str, indent=2))
     print(f"[build] saved to {args.out} ({time.time() - started:.0f}s)")

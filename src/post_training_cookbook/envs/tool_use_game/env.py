@@ -8,16 +8,20 @@ that message's content), or, truncated, after ``max_turns`` assistant turns.
 
 from __future__ import annotations
 
-from post_training_cookbook.envs.arithmetic import CalculatorTool, numbers_equal
+from post_training_cookbook.envs.arithmetic import numbers_equal
 from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, tool_to_spec
-from post_training_cookbook.envs.tool_use_game.tools import ListFactKeysTool, LookupTool
+from post_training_cookbook.envs.tool_use_game.tools import (
+    GameCalculatorTool,
+    ListFactKeysTool,
+    LookupTool,
+)
 from post_training_cookbook.envs.tool_use_game.world import FactWorld, build_world
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
 SYSTEM_PROMPT = (
     "Answer questions about a fictional world. Look facts up with the tools and use the "
-    "calculator for arithmetic. Then reply with only the final number, rounded to 2 decimals "
-    "if it is not whole."
+    "calculator for arithmetic. Then reply with only the final number, rounded to two "
+    "decimals if it is not whole."
 )
 DEFAULT_MAX_TURNS = 8
 _DEFAULT_WORLD: FactWorld | None = None
@@ -42,7 +46,7 @@ class ToolUseGameEnv(Env):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         world = world if world is not None else default_world()
-        tools: list[Tool] = [ListFactKeysTool(world), LookupTool(world), CalculatorTool()]
+        tools: list[Tool] = [ListFactKeysTool(world), LookupTool(world), GameCalculatorTool()]
         self._tools = {tool.name: tool for tool in [*tools, *(extra_tools or [])]}
         self._max_turns = max_turns
         self._messages: list[Message] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from post_training_cookbook.envs.arithmetic import CalculatorTool
 from post_training_cookbook.envs.base import ToolResult
 from post_training_cookbook.envs.tool_use_game.world import FactWorld
 
@@ -65,3 +66,18 @@ class LookupTool:
                 "call list_fact_keys with the entity's name to see them"
             )
         return ToolResult(content=str(self._world.facts[key]))
+
+
+class GameCalculatorTool(CalculatorTool):
+    """The calculator, described without example numbers: in this game every number in the
+    context should be one the episode produced (the question's, or a tool's result)."""
+
+    description = (
+        "Evaluate an arithmetic expression with numbers, + - * / and parentheses, such as "
+        "'a * (b + c)' with numbers in place of the letters."
+    )
+    parameters_schema = {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    }
