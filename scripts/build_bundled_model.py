@@ -2,8 +2,10 @@
 
     python scripts/build_bundled_model.py            # ~40-60 min on 2 cores
 
-1. Play the tool-use game's TRAIN split with the imperfect teacher
-   (``envs/tool_use_game/teacher.py``) to get conversations.
+1. Play the tool-use game's TRAIN split with the oracle and the imperfect teacher
+   (``envs/tool_use_game/teacher.py``) to get conversations. Each episode is played in a
+   copy of the world with freshly drawn values, so the model cannot memorise the facts of
+   the train entities: it has to learn to copy values from tool results.
 2. Train a byte-level BPE tokenizer on those conversations, rendered by the Hermes chat
    template. Entity names are split into their syllables and digits into single tokens, so
    the tokenizer cannot memorise names or numbers (validation entities are never seen).
@@ -29,7 +31,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
-from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
+from post_training_cookbook.envs.tool_use_game import (
+    TOOL_USE_GAME_TRAIN_TASKS,
+    ToolUseGameEnv,
+    default_world,
+)
 from post_training_cookbook.envs.tool_use_game.teacher import (
     BUNDLED_MODEL_TEACHER,
     ORACLE,
@@ -51,13 +57,15 @@ def teacher_conversations(
     """Teacher episodes on the train split, cycling through its tasks in shuffled order."""
     rng = random.Random(seed)
     tasks = list(TOOL_USE_GAME_TRAIN_TASKS)
+    world = default_world()
 
     async def play_all() -> list[Conversation]:
         conversations = []
         for index in range(num_episodes):
             if index % len(tasks) == 0:
                 rng.shuffle(tasks)
-            env = ToolUseGameEnv()
+            # a world with fresh values per episode: facts must be read, not memorised
+            env = ToolUseGameEnv(world.revalued(rng))
             messages, _ = await play_episode(env, tasks[index % len(tasks)], rng, errors)
             conversations.append((messages, env.tool_specs))
         return conversations
@@ -99,7 +107,9 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     return wrapped
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+def build_model(
+    tokenizer: PreTrainedTokenizerFast, seed: int, layers: int = 4, heads: int = 4
+) -> LlamaForCausalLM:
     """A small Llama. (Not Qwen2: transformers 5 loads the tokenizer of any ``qwen2``-type
     folder as ``Qwen2Tokenizer``, which swaps in Qwen's pre-tokenizer, so ``AutoTokenizer``
     would silently tokenize differently from the tokenizer trained here.)"""
@@ -108,9 +118,9 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausal
         vocab_size=len(tokenizer),
         hidden_size=256,
         intermediate_size=640,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
         initializer_range=0.02,
@@ -128,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab-size", type=int, default=1536)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in fp32")
@@ -168,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{trained / sum(lengths):.2f} ({time.time() - started:.0f}s)"
     )
 
-    model = build_model(tokenizer, args.seed)
+    model = build_model(tokenizer, args.seed, args.layers, args.heads)
     print(f"[build] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     args.out.mkdir(parents=True, exist_ok=True)
     oracle_steps = round(args.steps * args.oracle_fraction)

@@ -165,6 +165,15 @@ class GRPOConfig:
     (``"pipeline"``)."""
     num_generator_replicas: int = 1
     """Generator replicas that sample rollouts."""
+    backend: Literal["local", "ray"] = "local"
+    """Where the trainer and generators run: in this process, or as Ray actors (extra
+    ``scale``; docs/scale_out.md)."""
+    generation_engine: Literal["torch", "vllm"] = "torch"
+    """The generators' sampling engine; ``"vllm"`` needs ``backend="ray"``."""
+    ray_address: str | None = None
+    """Ray cluster to join (``host:port``); None starts a local, loopback-only Ray."""
+    weight_sync_timeout_s: float = 600.0
+    """A weight publication that takes longer raises ``WeightSyncTimeoutError`` (Ray)."""
 
     # Runs and checkpoints
     run_name: str | None = None
@@ -442,6 +451,13 @@ class GRPOConfig:
                 f"weight_sync_type={sync} requires full-weight training (use_lora=False): "
                 "set use_lora=False or use WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"
             )
+        if self.generation_engine == "vllm" and self.backend != "ray":
+            problems.append(
+                'generation_engine="vllm" requires backend="ray" (vLLM allows one engine per '
+                'process): set backend="ray" or use generation_engine="torch"'
+            )
+        if self.ray_address is not None and self.backend != "ray":
+            problems.append('ray_address applies only to backend="ray"')
         if self.groups_in_flight is not None and not self.is_async:
             problems.append(
                 "groups_in_flight applies only to async training: set max_steps_off_policy "
@@ -501,7 +517,7 @@ _WHY_MINIMUM = {
     "current policy",
 }
 
-_POSITIVE = ("learning_rate", "max_grad_norm", "env_step_timeout_s")
+_POSITIVE = ("learning_rate", "max_grad_norm", "env_step_timeout_s", "weight_sync_timeout_s")
 _NON_NEGATIVE = ("temperature", "val_temperature", "weight_decay", "overlong_penalty_factor")
 
 _YAML_HEADER = "# GRPOConfig: load with GRPOConfig.from_yaml; fields in docs/grpo_config.md\n"

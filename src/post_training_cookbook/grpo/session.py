@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -33,21 +34,7 @@ class Session:
         cls, config: GRPOConfig, info: ModelInfo, env_factory: Callable[[Task], Env]
     ) -> Session:
         codec = load_codec(info, load_tokenizer(info))
-        dtype = getattr(torch, config.dtype or info.default_dtype)
-        service = LocalModelService.create(
-            info,
-            use_lora=config.use_lora,
-            num_generator_replicas=config.num_generator_replicas,
-            engine_dtype=dtype,
-            lora_rank=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            weight_decay=config.weight_decay,
-            max_grad_norm=config.max_grad_norm,
-            micro_batch_tokens=config.micro_batch_tokens,
-            reference_model=config.kl_beta > 0,
-            seed=config.seed,
-        )
+        service = await _open_service(config, info)
         stops = codec.stop_token_ids
         runner = EpisodeRunner(env_factory, service, codec, config.episode_limits())
         return cls(
@@ -60,3 +47,39 @@ class Session:
 
     async def close(self) -> None:
         await self.service.close()
+
+
+async def _open_service(config: GRPOConfig, info: ModelInfo) -> ModelService:
+    """The trainer and generators, in this process or as Ray actors (``config.backend``)."""
+    dtype_name = config.dtype or info.default_dtype
+    trainer_options: dict[str, Any] = {
+        "lora_rank": config.lora_rank,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "micro_batch_tokens": config.micro_batch_tokens,
+        "reference_model": config.kl_beta > 0,
+        "seed": config.seed,
+    }
+    if config.backend == "ray":
+        from post_training_cookbook.service.ray import RayModelService
+
+        return await RayModelService.create(
+            info,
+            use_lora=config.use_lora,
+            num_generator_replicas=config.num_generator_replicas,
+            generation_engine=config.generation_engine,
+            engine_dtype=dtype_name,
+            ray_address=config.ray_address,
+            weight_sync_timeout_s=config.weight_sync_timeout_s,
+            max_model_len=config.max_model_length,
+            **trainer_options,
+        )
+    return LocalModelService.create(
+        info,
+        use_lora=config.use_lora,
+        num_generator_replicas=config.num_generator_replicas,
+        engine_dtype=getattr(torch, dtype_name),
+        **trainer_options,
+    )

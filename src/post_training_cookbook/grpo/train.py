@@ -127,6 +127,10 @@ def _checked(
         raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
     if config.validation_interval and not val_tasks:
         raise ValueError("validation_interval > 0 needs val_tasks (or set it to 0)")
+    if config.backend == "ray":
+        from post_training_cookbook.service.ray import check_scale_dependencies
+
+        check_scale_dependencies(config.generation_engine)
     info = resolve_model(config.model, codec=config.codec)
     require_generator_support(info)
     if config.max_model_length > info.max_context:

@@ -55,6 +55,13 @@ class FactWorld:
     def keys_with_prefix(self, prefix: str) -> list[str]:
         return sorted(key for key in self.facts if key.startswith(prefix))
 
+    def revalued(self, rng: random.Random) -> FactWorld:
+        """The same entities and keys with freshly drawn values. Teacher episodes for
+        fine-tuning are played in such worlds, so a model cannot memorise facts and has to
+        read them from the tools' results."""
+        facts = {key: rng.randint(*VALUE_RANGE) for key in self.facts}
+        return FactWorld(facts, self.train_entities, self.val_entities)
+
 
 def build_world(seed: int = WORLD_SEED, num_entities: int = NUM_ENTITIES) -> FactWorld:
     """The deterministic fact world for ``seed``."""

@@ -1,0 +1,42 @@
+"""Every recipe runs as written, cut to two steps (and a small validation set) by a wrapper
+around ``train_multi_turn``; nothing else of the recipe changes."""
+
+from __future__ import annotations
+
+import runpy
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import post_training_cookbook.grpo.train as grpo_train
+from post_training_cookbook.models import BUNDLED_MODEL_DIR
+
+RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "grpo").glob("*.py"))
+
+pytestmark = [
+    pytest.mark.heavy,
+    pytest.mark.skipif(
+        not (BUNDLED_MODEL_DIR / "config.json").is_file(), reason="the bundled model is not built"
+    ),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: path.stem)
+def test_the_recipe_runs_two_steps_as_written(recipe, tmp_path, monkeypatch):
+    real = grpo_train.train_multi_turn
+    runs = []
+
+    def two_steps(config, tasks, env_factory, val_tasks=None):
+        short = replace(
+            config, num_steps=2, validation_interval=1, runs_dir=str(tmp_path),
+            wandb_project=None, checkpoint_interval=0,
+        )  # fmt: skip
+        runs.append(real(short, tasks, env_factory, list(val_tasks or [])[:8]))
+        return runs[-1]
+
+    monkeypatch.setattr(grpo_train, "train_multi_turn", two_steps)
+    runpy.run_path(str(recipe), run_name="__main__")
+    (run,) = runs
+    assert (run.final_model_dir / "config.json").is_file()
+    assert len((run.path / "metrics.jsonl").read_text().splitlines()) == 3  # 2 steps + final val
