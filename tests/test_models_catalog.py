@@ -1,0 +1,39 @@
+"""The model catalog: ids, local folders, and refusals that come before any weights load."""
+
+import pytest
+
+from post_training_cookbook.models import (
+    BUNDLED_MODEL_ID,
+    list_models,
+    require_generator_support,
+    resolve_model,
+)
+
+
+def test_the_catalog_lists_the_bundled_model_first_with_generator_support():
+    models = list_models()
+    assert models[0].model_id == BUNDLED_MODEL_ID
+    assert models[0].generator_support and models[0].codec == "hermes"
+    assert models[0].is_local
+
+
+def test_a_trainer_only_model_is_refused_for_grpo_naming_the_model_and_the_reason():
+    info = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert info.trainer_only
+    with pytest.raises(ValueError) as error:
+        require_generator_support(info)
+    message = str(error.value)
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in message
+    assert "trainer-only" in message and "drops tools" in message
+    assert BUNDLED_MODEL_ID in message  # names models that would work
+
+
+def test_a_local_folder_infers_its_codec_from_the_chat_template(tiny_llama_dir):
+    info = resolve_model(str(tiny_llama_dir))
+    assert info.codec == "hermes" and info.generator_support
+    assert info.max_context == 2048
+
+
+def test_an_unknown_model_id_fails_with_the_known_ids_listed():
+    with pytest.raises(ValueError, match=r"unknown model 'nope/nothing'.*tool-use-tiny"):
+        resolve_model("nope/nothing")
