@@ -6,7 +6,6 @@ import importlib
 import inspect
 import json
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,25 +27,14 @@ class CliError(Exception):
     """A bad argument or input: reported in one line, exit status 2."""
 
 
-class _YamlLoader(yaml.SafeLoader):
-    """Reads ``1e-5`` as a float (YAML 1.1 wants ``1.0e-5``), as ``GRPOConfig.from_yaml``."""
-
-
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 def load_train_config(
     path: Path, overrides: Sequence[str] = ()
 ) -> tuple[GRPOConfig, dict[str, str]]:
     """The GRPOConfig of a training YAML and its ``env`` section (import paths by key)."""
-    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.grpo.config import ConfigYamlLoader, GRPOConfig
 
     try:
-        data = yaml.load(path.read_text(), Loader=_YamlLoader) or {}
+        data = yaml.load(path.read_text(), Loader=ConfigYamlLoader) or {}
     except yaml.YAMLError as exc:
         raise CliError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
@@ -61,7 +49,7 @@ def load_train_config(
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise CliError(f"--set expects FIELD=VALUE, got {override!r}")
-        data[key.strip()] = yaml.load(value, Loader=_YamlLoader)
+        data[key.strip()] = yaml.load(value, Loader=ConfigYamlLoader)
     try:
         return GRPOConfig.from_dict(data), {key: str(value) for key, value in env.items()}
     except ValueError as exc:

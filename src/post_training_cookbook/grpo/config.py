@@ -334,7 +334,7 @@ class GRPOConfig:
         ``ValueError`` names the file and the bad key."""
         source = Path(path)
         try:
-            data = yaml.load(source.read_text(), Loader=_YamlLoader)
+            data = yaml.load(source.read_text(), Loader=ConfigYamlLoader)
         except yaml.YAMLError as exc:
             raise ValueError(f"{source}: not valid YAML: {exc}") from exc
         try:
@@ -523,12 +523,12 @@ _NON_NEGATIVE = ("temperature", "val_temperature", "weight_decay", "overlong_pen
 _YAML_HEADER = "# GRPOConfig: load with GRPOConfig.from_yaml; fields in docs/grpo_config.md\n"
 
 
-class _YamlLoader(yaml.SafeLoader):
+class ConfigYamlLoader(yaml.SafeLoader):
     """PyYAML's safe loader, which also reads ``1e-5`` as a float. YAML 1.1 wants a dot
     (``1.0e-5``), so a learning rate written the usual way would load as a string."""
 
 
-_YamlLoader.add_implicit_resolver(
+ConfigYamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"),
