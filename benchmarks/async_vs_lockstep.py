@@ -1,11 +1,14 @@
 """Async vs lockstep GRPO on the bundled model, with 200 ms of latency on every tool call.
 
-    python benchmarks/async_vs_lockstep.py [--steps 8] [--model ID_OR_PATH]
+    python benchmarks/async_vs_lockstep.py [--steps 12] [--model ID_OR_PATH]
 
-Runs the same recipe (same seed, model, tasks) lockstep and async with each weight sync type,
-for the same number of steps, one after the other in this process, and prints steps/hour,
-the ratio to lockstep, and validation success at the last step. The latency stands in for
-real tools (sandboxes, APIs): lockstep waits for it, async overlaps it with training.
+Runs the same recipe (same seed, model, tasks; the seed's async shape: batch_size 4,
+8 episodes per task, groups_in_flight 8, max_steps_off_policy 1) lockstep and async with
+each weight sync type, for the same number of steps, one after the other in this process,
+and prints steps/hour, the ratio to lockstep, validation success after the last step, and
+where the time went. The latency stands in for real tools (sandboxes, APIs): lockstep
+waits for it, async overlaps it with training. Run it on an otherwise idle machine: other
+processes take the CPU that async would fill while tools are waited on.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -59,14 +63,12 @@ class LatencyEnv(Env):
         await self._inner.close()
 
 
+ASYNC = {"max_steps_off_policy": 1, "groups_in_flight": 8}
 VARIANTS: dict[str, dict[str, object]] = {
     "lockstep": {},
-    "async SYNCHRONOUS": {"max_steps_off_policy": 1},
-    "async BACKGROUND_PUBLISH": {
-        "max_steps_off_policy": 1,
-        "weight_sync_type": "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH",
-    },
-    "async PIPELINE": {"max_steps_off_policy": 1, "weight_sync_type": "WEIGHT_SYNC_TYPE_PIPELINE"},
+    "async SYNCHRONOUS": ASYNC,
+    "async BACKGROUND_PUBLISH": ASYNC | {"weight_sync_type": "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"},
+    "async PIPELINE": ASYNC | {"weight_sync_type": "WEIGHT_SYNC_TYPE_PIPELINE"},
 }
 
 
@@ -80,25 +82,35 @@ def run_variant(base: GRPOConfig, name: str, overrides: dict[str, object]) -> di
         val_tasks=list(TOOL_USE_GAME_VAL_TASKS)[:80],
     )
     lines = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
-    training = sum(line.get("time/step", 0.0) for line in lines)
+    steps = [line for line in lines if "time/step" in line]
+    training = sum(line["time/step"] for line in steps)
     final = [line for line in lines if line["step"] == config.num_steps][-1]
     return {
         "wall_s": time.perf_counter() - started,
-        "train_s": training,
         "steps_per_hour": config.num_steps / training * 3600,
         "val_success": final["val/reward_mean"],
+        # lockstep waits for its whole rollout; async only for what is not queued yet
+        "wait_s": sum(
+            line.get("async/train_wait_s", line.get("time/rollout", 0.0)) for line in steps
+        )
+        / len(steps),
+        "train_s": sum(line["time/train"] + line["time/weight_sync"] for line in steps)
+        / len(steps),
+        "dropped": sum(line.get("async/dropped_stale_groups", 0.0) for line in steps),
+        "age": sum(line.get("async/policy_age_mean", 0.0) for line in steps) / len(steps),
     }
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--model", default=BUNDLED_MODEL_ID)
+    parser.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants to run")
     args = parser.parse_args(argv)
     runs_dir = Path(tempfile.mkdtemp(prefix="async_bench_"))
     base = GRPOConfig(
         model=args.model,
-        batch_size=8,
+        batch_size=4,
         episodes_per_task=8,
         num_steps=args.steps,
         validation_interval=args.steps,
@@ -112,15 +124,23 @@ def main(argv: list[str]) -> int:
         checkpoint_interval=0,
         seed=0,
     )
-    results = {name: run_variant(base, name, overrides) for name, overrides in VARIANTS.items()}
+    names = ["lockstep", *(name for name in args.only or VARIANTS if name != "lockstep")]
+    results = {name: run_variant(base, name, VARIANTS[name]) for name in names}
     lockstep = results["lockstep"]["steps_per_hour"]
-    print(f"\n{args.steps} steps, {TOOL_LATENCY_S * 1000:.0f} ms per tool call, {args.model}")
-    print(f"{'variant':26s} {'steps/hour':>10s} {'vs lockstep':>12s} {'val success':>12s}")
+    print(
+        f"\n{args.steps} steps, {TOOL_LATENCY_S * 1000:.0f} ms per tool call, {args.model}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'variant':26s} {'steps/hour':>10s} {'vs lockstep':>12s} {'val success':>12s} "
+        f"{'wait s/step':>12s} {'train s/step':>13s} {'stale drops':>12s} {'mean age':>9s}"
+    )
     for name, result in results.items():
         ratio = result["steps_per_hour"] / lockstep
         print(
             f"{name:26s} {result['steps_per_hour']:10.0f} {ratio:11.2f}x "
-            f"{result['val_success']:12.3f}"
+            f"{result['val_success']:12.3f} {result['wait_s']:12.2f} {result['train_s']:13.2f} "
+            f"{result['dropped']:12.0f} {result['age']:9.2f}"
         )
     return 0
 

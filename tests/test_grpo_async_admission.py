@@ -9,6 +9,7 @@ from post_training_cookbook.grpo.async_train import (
     PositionLedger,
     RolloutWorkers,
     StampedGroup,
+    StartGate,
     admit_groups,
 )
 from post_training_cookbook.grpo.config import GRPOConfig
@@ -29,6 +30,8 @@ class QueueOnly(RolloutWorkers):
     def __init__(self, stamped: list[StampedGroup]) -> None:
         self.queue = asyncio.Queue()
         self._workers = []
+        self.gate = StartGate(config())
+        self.gate.outstanding = len(stamped)
         for item in stamped:
             self.queue.put_nowait(item)
 
@@ -103,3 +106,34 @@ def test_the_ledger_hands_out_every_position_not_done_exactly_once_after_a_resum
     assert first == [0, 1, 2, 3, 4, 5]
     assert saved == (2, [3, 5])
     assert again == [2, 4, 6, 7]  # nothing lost (2, 4), nothing replayed (3, 5)
+
+
+def test_the_start_gate_lets_a_group_start_only_if_a_step_can_still_admit_it():
+    gate = StartGate(config(batch_size=4, max_steps_off_policy=1))
+    gate.admitting(trainer_version=5, still_needed=3)  # step at version 5 needs 3 more
+    assert gate.room(start_version=5) == 3 + 4  # this step's 3 and the next step's 4
+    assert gate.room(start_version=4) == 3  # only this step can still admit it
+    assert gate.room(start_version=3) == 0  # stale before any step could admit it
+    gate.outstanding = 6
+    assert gate.room(start_version=5) == 1
+    gate.admitting(trainer_version=6, still_needed=4)  # training: the next step fills
+    assert gate.room(start_version=5) == 4 - 6  # full: wait for an admission
+    zero = StartGate(config(batch_size=2, max_steps_off_policy=0))
+    zero.admitting(trainer_version=2, still_needed=2)
+    assert zero.room(start_version=2) == 2 and zero.room(start_version=1) == 0
+
+
+def test_a_worker_blocked_by_the_gate_starts_once_an_admission_takes_a_group():
+    gate = StartGate(config(batch_size=1, max_steps_off_policy=0))
+    gate.admitting(trainer_version=0, still_needed=1)
+
+    async def scenario():
+        assert await gate.enter(lambda: 0) == 0  # room for one group
+        blocked = asyncio.create_task(gate.enter(lambda: 0))
+        await asyncio.sleep(0.05)
+        assert not blocked.done()
+        gate.taken()  # the admission took the first group and still needs one
+        assert await asyncio.wait_for(blocked, timeout=1.0) == 0
+        return gate.outstanding
+
+    assert asyncio.run(scenario()) == 1

@@ -2,7 +2,9 @@
 
 ``max_steps_off_policy=N`` turns it on. ``groups_in_flight`` workers each play one group at
 a time, stamped with the policy version the generators had when its rollout started, and
-queue it when done. Each step admits queued groups in order:
+queue it when done. A worker starts a group only when the steps that may still admit it
+have room for it (``StartGate``): back-pressure instead of rollouts made only to be dropped.
+Each step admits queued groups in order:
 
 - a group older than N optimizer steps (trainer version − its start version) is dropped as
   stale and counted in ``async/dropped_stale_groups`` — never in ``zero_variance_skip_ratio``;
@@ -22,9 +24,10 @@ task group of an epoch is trained at most once, and none that was in flight is l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from post_training_cookbook.envs.base import Task
@@ -84,6 +87,57 @@ class PositionIterator:
         return position
 
 
+class StartGate:
+    """Whether a rollout worker may start a group now, so that rollouts are not made only to
+    be dropped as stale.
+
+    A group started at version ``v`` can be admitted by the steps whose trainer version is at
+    most ``v + max_steps_off_policy``. Groups are admitted roughly in the order they start,
+    so a new group fits if the groups already outstanding (in flight or queued) leave room
+    in those steps: what the step being admitted still needs, plus ``batch_size`` for each
+    later step. The bound counts a step as ``batch_size`` groups; dynamic sampling asks for
+    more, which the gate grants as the admission asks.
+    """
+
+    def __init__(self, config: GRPOConfig) -> None:
+        assert config.max_steps_off_policy is not None
+        self._batch_size = config.batch_size
+        self._max_age = config.max_steps_off_policy
+        self.outstanding = 0
+        """Groups started and not yet taken by an admission."""
+        self.next_version = 0
+        """Trainer version of the next (or current) admission."""
+        self.still_needed = config.batch_size
+        """Groups the next (or current) admission still needs."""
+        self._changed = asyncio.Event()
+
+    def room(self, start_version: int) -> int:
+        later_steps = start_version + self._max_age - self.next_version
+        if later_steps < 0:
+            return 0  # it would be stale by the time any step could admit it
+        return self.still_needed + later_steps * self._batch_size - self.outstanding
+
+    async def enter(self, current_version: Callable[[], int]) -> int:
+        """Wait for room; return the version the new group starts under."""
+        while True:
+            version = current_version()
+            if self.room(version) > 0:
+                self.outstanding += 1
+                return version
+            self._changed.clear()
+            # deferred publishes change the version from another thread: poll as well
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=0.02)
+
+    def admitting(self, trainer_version: int, still_needed: int) -> None:
+        self.next_version, self.still_needed = trainer_version, still_needed
+        self._changed.set()
+
+    def taken(self) -> None:
+        self.outstanding -= 1
+        self._changed.set()
+
+
 class RolloutWorkers:
     def __init__(
         self, session: Session, config: GRPOConfig, tasks: Sequence[Task], ledger: PositionLedger
@@ -93,6 +147,7 @@ class RolloutWorkers:
         self._stream = TaskStream(tasks, config.seed)
         self._positions = ledger.positions_to_hand_out()
         self.queue: asyncio.Queue[StampedGroup] = asyncio.Queue()
+        self.gate = StartGate(config)
         self._workers: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -102,9 +157,11 @@ class RolloutWorkers:
     async def _work(self) -> None:
         session, config = self._session, self._config
         while True:
+            version = await self.gate.enter(
+                lambda: session.service.policy_state().applied_weights_version
+            )
             position = self._positions.take()
             task = self._stream.at(position)
-            version = session.service.policy_state().applied_weights_version
             seed = derive_seed(config.seed, "train", position)
             group = await play_group(
                 session.runner, task, config.episodes_per_task, session.train_params, seed
@@ -170,9 +227,12 @@ async def admit_groups(
         len(admission.informative_groups(config)) < config.batch_size
         and len(admission.admitted) < budget
     ):
+        still_needed = config.batch_size - len(admission.informative_groups(config))
+        workers.gate.admitting(trainer_version, still_needed)
         started = time.perf_counter()
         stamped = await _next_group(workers)
         admission.wait_s += time.perf_counter() - started
+        workers.gate.taken()
         ledger.mark_done(stamped.position)
         age = trainer_version - stamped.start_version
         if age > config.max_steps_off_policy:
@@ -180,6 +240,8 @@ async def admit_groups(
             continue
         admission.admitted.append(stamped)
         admission.ages.append(age)
+    # while this step trains, workers fill the next one, whose trainer version is one higher
+    workers.gate.admitting(trainer_version + 1, config.batch_size)
     return admission
 
 
