@@ -1,6 +1,6 @@
 """Build the bundled tool-use model from scratch, reproducibly, on CPU.
 
-    python scripts/build_bundled_model.py            # ~40-60 min on 2 cores
+    python scripts/build_bundled_model.py            # ~80 min on one core
 
 1. Play the tool-use game's TRAIN split with the oracle and the imperfect teacher
    (``envs/tool_use_game/teacher.py``) to get conversations. Each episode is played in a
@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=BUNDLED_MODEL_DIR)
     parser.add_argument("--episodes", type=int, default=60_000)
     parser.add_argument("--vocab-size", type=int, default=1536)
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=1)
@@ -148,8 +148,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--oracle-fraction",
         type=float,
-        default=0.4,
+        default=0.5,
         help="share of the steps trained on the oracle's episodes first",
+    )
+    parser.add_argument(
+        "--teacher-learning-rate",
+        type=float,
+        default=None,
+        help="peak lr of the teacher phase (default: --learning-rate); a lower one keeps the "
+        "copying learned on the oracle's episodes while taking on the teacher's habits",
+    )
+    parser.add_argument(
+        "--from-oracle-checkpoint",
+        type=Path,
+        default=None,
+        help="skip the oracle phase: start the teacher phase from the checkpoint an earlier "
+        "build with the same arguments saved at the phase's end (checkpoints/step_N); the "
+        "phases are seeded separately, so the result is the same as building from scratch",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -185,15 +200,19 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     oracle_steps = round(args.steps * args.oracle_fraction)
     phases = [
-        ("oracle", oracle_examples, oracle_steps),
-        ("teacher", examples, args.steps - oracle_steps),
+        ("oracle", oracle_examples, oracle_steps, args.learning_rate),
+        ("teacher", examples, args.steps - oracle_steps, args.teacher_learning_rate),
     ]
     done = 0
-    for phase, phase_examples, steps in phases:
+    if args.from_oracle_checkpoint is not None:
+        model = load_oracle_checkpoint(args.from_oracle_checkpoint, tokenizer)
+        phases, done = phases[1:], oracle_steps
+        print(f"[build] oracle phase loaded from {args.from_oracle_checkpoint}")
+    for phase, phase_examples, steps, learning_rate in phases:
         if steps <= 0:
             continue
         config = SFTConfig(
-            learning_rate=args.learning_rate,
+            learning_rate=learning_rate or args.learning_rate,
             batch_size=args.batch_size,
             num_steps=steps,
             warmup_steps=min(50, steps // 10),
@@ -220,6 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     save(model, tokenizer, args.out)
     (args.out / "build_args.json").write_text(json.dumps(vars(args), default=str, indent=2))
     print(f"[build] saved to {args.out} ({time.time() - started:.0f}s)")
+
+
+def load_oracle_checkpoint(folder: Path, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    saved = PreTrainedTokenizerFast.from_pretrained(folder)
+    if saved.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"{folder} was built with other arguments: its tokenizer differs")
+    return LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
 def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:

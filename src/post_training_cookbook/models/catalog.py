@@ -58,7 +58,7 @@ CATALOG: dict[str, ModelInfo] = {
             generator_support=True,
             max_context=2048,
             default_dtype="float32",
-            description="3M-parameter Qwen2 tool-use model shipped in the package (no download)",
+            description="4.5M-parameter Llama tool-use model shipped in the package (no download)",
         ),
         ModelInfo("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", "hermes",
                   True, 32768, description="Qwen2.5 instruct, Hermes tool calls"),
