@@ -3,10 +3,13 @@
 Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
 ``--new-tokens`` tokens per sequence) for every engine, measured side by side in one run:
 
-    OMP_NUM_THREADS=2 python benchmarks/generation.py                 # random ~2.9M Qwen2
+    OMP_NUM_THREADS=2 python benchmarks/generation.py                 # the bundled model
+    python benchmarks/generation.py --model random-qwen2              # random ~2.9M Qwen2
     python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
 
-The default model is a random-initialised Qwen2 (vocab 2048, hidden 256, 4 layers).
+``--model`` takes a catalog id (default: the bundled 3.15M Llama,
+``post-training-cookbook/tool-use-tiny``), a local Hugging Face folder, or ``random-qwen2``
+(a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers).
 Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.
 Timings are the best of ``--repeats`` runs after one warm-up; other processes on the
 machine skew them, so the load average is printed next to the table.
@@ -28,6 +31,10 @@ import torch
 import transformers
 
 from post_training_cookbook.engine import LocalEngine, SamplingParams
+from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+from post_training_cookbook.models.loading import load_model
+
+RANDOM_QWEN2 = "random-qwen2"
 
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -58,6 +65,13 @@ def random_qwen2() -> transformers.PreTrainedModel:
         max_position_embeddings=2048,
     )  # fmt: skip
     return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def load_base(model: str) -> transformers.PreTrainedModel:
+    """The model to benchmark, in float32 (each engine casts its own copy)."""
+    if model == RANDOM_QWEN2:
+        return random_qwen2()
+    return load_model(resolve_model(model), dtype=torch.float32).eval()
 
 
 def best_of(repeats: int, run: Callable[[], None]) -> float:
@@ -136,7 +150,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", help="local Hugging Face model folder (default: random Qwen2)")
+    parser.add_argument(
+        "--model",
+        default=BUNDLED_MODEL_ID,
+        help=f"catalog id, local Hugging Face folder, or {RANDOM_QWEN2!r} (default: %(default)s)",
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
@@ -144,17 +162,13 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true")
     args = parser.parse_args()
 
-    base = (
-        transformers.AutoModelForCausalLM.from_pretrained(args.model).eval()
-        if args.model
-        else random_qwen2()
-    )
+    base = load_base(args.model)
     vocab = int(base.config.vocab_size)
     rng = random.Random(0)
     prompts = [rng.choices(range(vocab), k=rng.randint(32, 96)) for _ in range(args.batch)]
     tokens = args.batch * args.new_tokens
     params_m = sum(p.numel() for p in base.parameters()) / 1e6
-    print(f"model: {args.model or 'random Qwen2'} ({params_m:.1f}M params), batch {args.batch} x "
+    print(f"model: {args.model} ({params_m:.1f}M params), batch {args.batch} x "
           f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}, "
           f"load average before {os.getloadavg()[0]:.2f}")  # fmt: skip
 

@@ -126,6 +126,68 @@ async def test_bf16_engine_logprobs_stay_within_a_measured_bound_of_fp32(
     assert mean_abs_logprob_error(model, prompts, results) <= 5e-3
 
 
+def tiny_llama_family(kind: str) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    shape = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    }  # fmt: skip
+    if kind == "llama":  # the bundled model's architecture
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    config = transformers.Qwen3Config(**shape, head_dim=16)  # per-head q/k norms
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@run_async
+async def test_the_fused_decode_step_serves_llama_and_qwen3_exactly(kind: str) -> None:
+    family_model = tiny_llama_family(kind)
+    assert Decoder(inference_copy(family_model, None, torch.device("cpu")), 0).fused is not None
+    prompts = [prompt_of(length, seed) for seed, length in enumerate([4, 21])]
+    async with LocalEngine(family_model) as engine:
+        results = await asyncio.gather(
+            *(
+                engine.sample(p, 2, SamplingParams(max_tokens=12, seed=i))
+                for i, p in enumerate(prompts)
+            )
+        )
+    assert mean_abs_logprob_error(family_model, prompts, results) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_decode_step_and_the_models_forward_sample_alike(
+    model: torch.nn.Module, dtype: torch.dtype
+) -> None:
+    """Same seeded requests through the fused decode step and through the model's own forward
+    (the path of architectures the fused step does not cover)."""
+    loop = asyncio.new_event_loop()
+    prompts = [prompt_of(length, seed) for seed, length in enumerate([6, 33, 18])]
+
+    def run(fused: bool) -> list[SampledSequence]:
+        decoder = Decoder(inference_copy(model, dtype, torch.device("cpu")), prefix_cache_size=0)
+        if not fused:
+            decoder.fused = None
+        requests = [
+            Request(p, 1, SamplingParams(max_tokens=10, seed=i), loop, loop.create_future())
+            for i, p in enumerate(prompts)
+        ]
+        with torch.inference_mode():
+            decoder.prefill(requests)
+            while decoder.rows:
+                decoder.decode_step()
+        return [
+            seqs[0]
+            for seqs in loop.run_until_complete(asyncio.gather(*(r.future for r in requests)))
+        ]
+
+    fused, reference = run(fused=True), run(fused=False)
+    loop.close()
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2  # bf16: matmul rounding differs
+    for a, b in zip(fused, reference, strict=True):
+        assert a.tokens == b.tokens
+        assert a.logprobs == pytest.approx(b.logprobs, abs=tolerance)
+
+
 @run_async
 async def test_rows_joining_and_leaving_keep_every_logprob_exact(model: torch.nn.Module) -> None:
     """Staggered arrivals, mixed lengths and a small batch cap churn the KV layout (row moves,

@@ -16,6 +16,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from post_training_cookbook.engine.fast_decode import FusedDecodeStep
 from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
 from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry
 from post_training_cookbook.engine.sampling import sample_tokens
@@ -140,6 +141,8 @@ class Decoder:
         self.device: torch.device = next(model.parameters()).device
         # logits of the last position only: a prefill need not project every prompt token
         self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+        # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py).
+        self.fused = FusedDecodeStep.for_model(model)
         self.prefix_cache = PrefixCache(prefix_cache_size)
         self.rng = torch.Generator()
         self.rng.seed()  # unseeded requests draw from here
@@ -262,9 +265,13 @@ class Decoder:
         batch.reserve(0, 0)
         rows, col = slice(0, batch.rows), batch.cols
         batch.valid[rows, col] = True
-        logits = self._forward(
-            rows, col + 1, batch.next_tokens[rows, None], batch.positions[rows, None]
-        )
+        if self.fused is not None:
+            lo = batch.first_col(rows)
+            ids, positions = batch.next_tokens[rows], batch.positions[rows]
+            logits = self.fused.step(batch, rows, lo, ids, positions)
+        else:
+            ids, positions = batch.next_tokens[rows, None], batch.positions[rows, None]
+            logits = self._forward(rows, col + 1, ids, positions)
         batch.cols += 1
         batch.positions[rows] += 1
         self.stats.decode_steps += 1

@@ -44,15 +44,23 @@ def engine_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     rows, heads, _, dim = query.shape
-    kv_heads = key.shape[1]
-    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    grouped = query.reshape(rows, key.shape[1], heads // key.shape[1], dim)
+    scale = scaling if scaling is not None else dim**-0.5
+    out = grouped_attention(grouped, key, value, attention_mask, scale)
+    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
+
+
+def grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per row, ``[rows, kv_heads, group, dim]``, over ``[rows, kv_heads, keys, dim]``
+    keys and values with an additive ``bias`` broadcast to ``[rows, 1, 1, keys]``; softmax in
+    float32."""
     if key.dtype != torch.float32:
         # CPU bf16 matmul takes a slow path on a strided window; a contiguous copy is cheaper.
         key, value = key.contiguous(), value.contiguous()
-    scale = scaling if scaling is not None else dim**-0.5
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale + attention_mask
-    out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
-    return out.reshape(rows, heads, 1, dim).transpose(1, 2), None
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale + bias
+    return torch.matmul(scores.softmax(-1).to(value.dtype), value)
 
 
 AttentionInterface.register(ATTENTION_NAME, engine_attention)

@@ -21,6 +21,12 @@ How a request runs
 - Log-probabilities: see ``engine/types.py``. ``logprobs`` are under the distribution the
   token was sampled from; ``raw_logprobs`` under the plain softmax of the logits.
 
+Speed. Decode steps of Llama-family models (Llama, Qwen2, Qwen3) skip Hugging Face's generic
+forward for a fused step over the engine's KV buffers (``fast_decode.py``); other
+architectures, and every prefill, run the model's own forward. What is left of a CPU decode
+step is mostly the weight matmuls, which ``generate`` pays as well, and the attention reads;
+``benchmarks/generation.py`` measures the two side by side.
+
 Prefix reuse. When a sequence finishes, its KV (prompt + tokens but the last) goes to an
 LRU cache tagged with the weights version; a later prompt sharing a prefix with an entry of
 the current version prefills only the rest. ``stats()`` counts computed and reused tokens.
