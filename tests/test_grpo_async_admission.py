@@ -118,6 +118,8 @@ def test_the_start_gate_lets_a_group_start_only_if_a_step_can_still_admit_it():
     assert gate.room(start_version=5) == 1
     gate.admitting(trainer_version=6, still_needed=4)  # training: the next step fills
     assert gate.room(start_version=5) == 4 - 6  # full: wait for an admission
+    resumed = StartGate(config(batch_size=4, max_steps_off_policy=1), trainer_version=10)
+    assert resumed.room(start_version=10) == 4 + 4  # not 11 steps' worth: it starts at 10
     zero = StartGate(config(batch_size=2, max_steps_off_policy=0))
     zero.admitting(trainer_version=2, still_needed=2)
     assert zero.room(start_version=2) == 2 and zero.room(start_version=1) == 0

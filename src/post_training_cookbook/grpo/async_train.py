@@ -99,13 +99,13 @@ class StartGate:
     more, which the gate grants as the admission asks.
     """
 
-    def __init__(self, config: GRPOConfig) -> None:
+    def __init__(self, config: GRPOConfig, trainer_version: int = 0) -> None:
         assert config.max_steps_off_policy is not None
         self._batch_size = config.batch_size
         self._max_age = config.max_steps_off_policy
         self.outstanding = 0
         """Groups started and not yet taken by an admission."""
-        self.next_version = 0
+        self.next_version = trainer_version
         """Trainer version of the next (or current) admission."""
         self.still_needed = config.batch_size
         """Groups the next (or current) admission still needs."""
@@ -147,7 +147,8 @@ class RolloutWorkers:
         self._stream = TaskStream(tasks, config.seed)
         self._positions = ledger.positions_to_hand_out()
         self.queue: asyncio.Queue[StampedGroup] = asyncio.Queue()
-        self.gate = StartGate(config)
+        # a resumed run starts at its checkpoint's version, not 0
+        self.gate = StartGate(config, session.service.policy_state().trainer_step)
         self._workers: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
