@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         default=None,
         help="skip the oracle phase: start the teacher phase from the checkpoint an earlier "
-        "build with the same arguments saved at the phase's end (checkpoints/step_N); the "
-        "phases are seeded separately, so the result is the same as building from scratch",
+        "build with the same arguments saved at the phase's end (checkpoints/step_N); each "
+        "phase seeds its own data order and optimizer, so the teacher phase runs as it would "
+        "in a build from scratch",
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
