@@ -7,7 +7,7 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
     python benchmarks/generation.py --model random-qwen2              # random ~2.9M Qwen2
     python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
 
-``--model`` takes a catalog id (default: the bundled 3.15M Llama,
+``--model`` takes a catalog id (default: the bundled 4.5M Llama,
 ``post-training-cookbook/tool-use-tiny``), a local Hugging Face folder, or ``random-qwen2``
 (a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers).
 Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.

@@ -200,9 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[build] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     args.out.mkdir(parents=True, exist_ok=True)
     oracle_steps = round(args.steps * args.oracle_fraction)
+    teacher_learning_rate = args.teacher_learning_rate or args.learning_rate
     phases = [
         ("oracle", oracle_examples, oracle_steps, args.learning_rate),
-        ("teacher", examples, args.steps - oracle_steps, args.teacher_learning_rate),
+        ("teacher", examples, args.steps - oracle_steps, teacher_learning_rate),
     ]
     done = 0
     if args.from_oracle_checkpoint is not None:
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
         if steps <= 0:
             continue
         config = SFTConfig(
-            learning_rate=learning_rate or args.learning_rate,
+            learning_rate=learning_rate,
             batch_size=args.batch_size,
             num_steps=steps,
             warmup_steps=min(50, steps // 10),

@@ -224,11 +224,10 @@ async def admit_groups(
     admission = AsyncAdmission()
     budget = config.max_sampling_attempts * config.batch_size
     assert config.max_steps_off_policy is not None
-    while (
-        len(admission.informative_groups(config)) < config.batch_size
-        and len(admission.admitted) < budget
-    ):
+    while len(admission.admitted) < budget:
         still_needed = config.batch_size - len(admission.informative_groups(config))
+        if still_needed <= 0:
+            break
         workers.gate.admitting(trainer_version, still_needed)
         started = time.perf_counter()
         stamped = await _next_group(workers)
