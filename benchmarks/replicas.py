@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.engine.vllm import VLLM_ENV_DEFAULTS
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_VAL_TASKS, ToolUseGameEnv
 from post_training_cookbook.groups import EpisodeRunner, Group, play_groups
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
@@ -30,16 +31,8 @@ from post_training_cookbook.rollout import EpisodeLimits, derive_seed
 from post_training_cookbook.service.ray import RayModelService
 from post_training_cookbook.service.ray_env import init_local_ray
 
-BENCH_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-}
+BENCH_ENV = {**VLLM_ENV_DEFAULTS, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+"""vLLM's loopback-only, in-process defaults, and no hub access; Ray's workers inherit it."""
 
 
 @dataclass

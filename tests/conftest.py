@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,3 +20,21 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_tokenizer(tiny_llama_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+# The scale-out tests' model and Ray cluster (test_scale_*.py), one per module that asks.
+@pytest.fixture(scope="module")
+def scale_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_scale_common import build_scale_model
+
+    return build_scale_model(tmp_path_factory.mktemp("scale_model"))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    import ray
+    from test_scale_common import start_test_ray
+
+    start_test_ray(tmp_path_factory.mktemp("ray_home"))
+    yield
+    ray.shutdown()

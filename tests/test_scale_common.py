@@ -21,6 +21,8 @@ import torch
 from test_grpo_common import build_tiny_model
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from post_training_cookbook.engine.vllm import VLLM_ENV_DEFAULTS
+
 HAVE_SCALE_DEPS = all(importlib.util.find_spec(name) for name in ("ray", "vllm"))
 scale = [
     pytest.mark.scale,
@@ -37,14 +39,9 @@ BF16_BOUND = 0.3
 """Max |generator − trainer| logprob when either side computes in bf16 (measured: 0.01–0.26)."""
 
 TEST_ENV = {
+    **VLLM_ENV_DEFAULTS,  # loopback only, in-process
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_HOST_IP": "127.0.0.1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "OMP_NUM_THREADS": "1",
 }
 

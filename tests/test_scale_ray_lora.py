@@ -4,13 +4,11 @@ torch replicas, and training checkpoints that round-trip through the trainer act
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
-from test_scale_common import FP32_BOUND, build_scale_model, max_abs_diff, scale, start_test_ray
+from test_scale_common import FP32_BOUND, max_abs_diff, scale
 from transformers import AutoModelForCausalLM
 
 from post_training_cookbook.engine.types import SamplingParams
@@ -20,20 +18,6 @@ from post_training_cookbook.service.types import LossConfig, TrainingSample
 
 pytestmark = scale
 PROBE = list(range(3, 60))
-
-
-@pytest.fixture(scope="module")
-def scale_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_scale_model(tmp_path_factory.mktemp("scale_model"))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    import ray
-
-    start_test_ray(tmp_path_factory.mktemp("ray_home"))
-    yield
-    ray.shutdown()
 
 
 def create(model: Path, **options: Any) -> RayModelService:

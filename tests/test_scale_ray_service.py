@@ -24,10 +24,8 @@ import pytest
 from test_scale_common import (
     BF16_BOUND,
     FP32_BOUND,
-    build_scale_model,
     max_abs_diff,
     scale,
-    start_test_ray,
 )
 
 from post_training_cookbook.engine.types import SamplingParams
@@ -135,20 +133,6 @@ async def run_loop(session: Session, config: GRPOConfig) -> list[dict[str, Any]]
         steps = run_async_steps if config.is_async else run_lockstep_steps
         await steps(ctx, TASKS, [], 0, None)
     return [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def scale_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_scale_model(tmp_path_factory.mktemp("scale_model"))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    import ray
-
-    start_test_ray(tmp_path_factory.mktemp("ray_home"))
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

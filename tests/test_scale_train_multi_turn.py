@@ -4,11 +4,10 @@ config field (``backend="ray"``, ``generation_engine="vllm"``)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_scale_common import build_scale_model, scale, start_test_ray
+from test_scale_common import scale
 from transformers import AutoModelForCausalLM
 
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
@@ -18,27 +17,13 @@ from post_training_cookbook.grpo.train import train_multi_turn
 pytestmark = scale
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_scale_model(tmp_path_factory.mktemp("scale_model"))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    import ray
-
-    start_test_ray(tmp_path_factory.mktemp("ray_home"))
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("async_mode", [False, True], ids=["lockstep", "async-pipeline"])
 def test_train_multi_turn_runs_on_ray_with_two_vllm_replicas(
-    model_dir: Path, ray_cluster: None, tmp_path: Path, async_mode: bool
+    scale_model: Path, ray_cluster: None, tmp_path: Path, async_mode: bool
 ) -> None:
     extra = {"max_steps_off_policy": 1, "weight_sync_type": "pipeline"} if async_mode else {}
     config = GRPOConfig(
-        model=str(model_dir), codec="hermes", backend="ray", generation_engine="vllm",
+        model=str(scale_model), codec="hermes", backend="ray", generation_engine="vllm",
         num_generator_replicas=2, use_lora=False, batch_size=2, episodes_per_task=4,
         num_steps=2, max_turns=3, max_model_length=1024, max_tokens_per_turn=48,
         failed_parse_reward=-1.0, max_sampling_attempts=4, learning_rate=1e-3,
