@@ -22,11 +22,10 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.evaluation.models import (
@@ -44,8 +43,8 @@ from post_training_cookbook.evaluation.results import (
 from post_training_cookbook.groups import EpisodeRunner, Group, play_group
 from post_training_cookbook.models.catalog import require_generator_support
 from post_training_cookbook.rollout import EnvErrorPolicy, Episode
+from post_training_cookbook.sync import run_sync
 
-T = TypeVar("T")
 EnvFactory = Callable[[Task], Env]
 
 
@@ -97,7 +96,7 @@ def evaluate(
         codec=codec, step=step, dtype=dtype, pass_k=pass_k, label=label, runs_dir=runs_dir,
         max_batch_size=max_batch_size, progress=progress,
     )  # fmt: skip
-    return _run_sync(coroutine)
+    return run_sync(coroutine)
 
 
 async def aevaluate(
@@ -274,13 +273,3 @@ def _new_folder(runs_dir: Path, prefix: str) -> Path:
         except FileExistsError:
             continue
     raise RuntimeError(f"could not create a new folder next to {base}")
-
-
-def _run_sync(coroutine: Coroutine[Any, Any, T]) -> T:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    # asyncio.run refuses to start inside a running loop (a notebook): use a thread.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()

@@ -7,7 +7,6 @@ import copy
 import inspect
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from post_training_cookbook.envs.base import Env, StepResult, Task
@@ -21,6 +20,7 @@ from post_training_cookbook.envs.checker.checks import (
 )
 from post_training_cookbook.envs.checker.report import EnvCheckReport, _Findings, _Recorder
 from post_training_cookbook.envs.checker.scripts import _SCRIPTS, _ScriptContext
+from post_training_cookbook.sync import run_sync
 from post_training_cookbook.types import Message
 
 
@@ -44,13 +44,7 @@ def check_env(
         max_turns=max_turns,
         step_timeout_s=step_timeout_s,
     )
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    # asyncio.run refuses to start inside a running loop, so give the check a thread of its own.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+    return run_sync(coroutine)
 
 
 async def acheck_env(
