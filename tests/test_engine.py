@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import random
+import threading
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -603,6 +604,31 @@ async def test_close_fails_pending_calls_and_later_ones_with_runtime_error(
         await engine.sample([1], 1, SamplingParams())
     with pytest.raises(RuntimeError, match="closed"):
         engine.update_weights(model.state_dict(), version=1)
+
+
+def test_num_threads_sets_the_workers_count_only(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="num_threads"):
+        LocalEngine(model, num_threads=0)
+    caller = torch.get_num_threads()
+    params = SamplingParams(max_tokens=16, seed=3)
+
+    async def sample(engine: LocalEngine) -> list[SampledSequence]:
+        async with engine:
+            return await engine.sample(prompt_of(9, 1), 2, params)
+
+    default = LocalEngine(model)
+    single = LocalEngine(model, num_threads=1)
+    # the caller, and threads started later, keep the process's count
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert (single.num_threads, default.num_threads) == (1, caller)
+    assert torch.get_num_threads() == caller and later == [caller]
+    expected, got = asyncio.run(sample(default)), asyncio.run(sample(single))
+    assert [s.tokens for s in got] == [s.tokens for s in expected]
+    for one, reference in zip(got, expected, strict=True):
+        assert one.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
 
 
 @run_async

@@ -1,6 +1,8 @@
 """LocalModelService: sampler and trainer agree on logprobs, before and after weight syncs."""
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -160,3 +162,64 @@ def test_a_training_checkpoint_resumes_into_a_new_service_with_its_weights(model
     version, expected, restored, versions, gap = asyncio.run(scenario())
     assert version == 1 and restored == expected
     assert set(versions) == {1} and gap <= 1e-4
+
+
+def test_trainer_work_runs_on_one_trainer_thread_and_engines_take_half_the_threads(model_dir):
+    service = make_service(model_dir, use_lora=False)
+    threads: list[str] = []
+    trainer = service.trainer
+    for name in ("forward", "forward_backward", "optim_step", "state_dict_for_inference"):
+        method = getattr(trainer, name)
+
+        def recorded(*args, _method=method, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _method(*args, **kwargs)
+
+        setattr(trainer, name, recorded)
+
+    async def scenario():
+        try:
+            samples, _ = await sample_episodes(service, seed=8)
+            await service.forward(samples)
+            await service.forward_backward(samples, LossConfig())
+            await service.optim_step(1e-2)
+            await service.weights_sync("synchronous")
+        finally:
+            await service.close()
+
+    asyncio.run(scenario())
+    assert len(threads) == 4 and len(set(threads)) == 1
+    assert threads[0].startswith("trainer") and threads[0] != threading.current_thread().name
+    assert service.engines[0].num_threads == max(1, torch.get_num_threads() // 2)
+    with pytest.raises(ValueError, match="engine_threads"):
+        LocalModelService(service.info, trainer, engine_threads=0)
+
+
+def test_a_deferred_publish_reaches_the_engines_while_the_next_training_op_runs(model_dir):
+    service = make_service(model_dir, use_lora=False)
+    seen_during_training: list[int] = []
+    trainer = service.trainer
+    original = trainer.forward_backward
+
+    def forward_backward(*args, **kwargs):
+        if trainer.version == 1:  # the op after the publish: give the engine up to 5 s
+            deadline = time.monotonic() + 5.0
+            while service.engines[0].version < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen_during_training.append(service.engines[0].version)
+        return original(*args, **kwargs)
+
+    trainer.forward_backward = forward_backward
+
+    async def scenario():
+        try:
+            samples, _ = await sample_episodes(service, seed=9)
+            await service.forward_backward(samples, LossConfig())
+            await service.optim_step(1e-2)
+            assert await service.weights_sync("pipeline") == 1
+            await service.forward_backward(samples, LossConfig())
+        finally:
+            await service.close()
+
+    asyncio.run(scenario())
+    assert seen_during_training == [1]

@@ -1,8 +1,11 @@
 """``LocalModelService``: the trainer and the generators in this process (CPU or CUDA).
 
 The trainer holds fp32 master weights (LoRA via peft, or full weight). Each generator is a
-``LocalEngine`` with its own inference copy. Trainer operations run in a worker thread, so
-the event loop — environments, tools, sampling requests — keeps going while they compute.
+``LocalEngine`` with its own inference copy. Trainer operations (and the copies of new
+weights into the engines) run on one trainer thread, so the event loop — environments,
+tools, sampling requests — keeps going while they compute, and one thread pool of OpenMP
+workers serves all of them. Generators compute with half of torch's intra-op threads by
+default, leaving the rest to the trainer beside them (see "Threads" in ``engine/local.py``).
 
 Weight sync modes:
 - SYNCHRONOUS: merged weights are handed to every engine, and the call returns once they
@@ -16,13 +19,16 @@ Weight sync modes:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 import torch
 
-from post_training_cookbook.engine.local import LocalEngine
+from post_training_cookbook.engine.local import LocalEngine, WeightsMode
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_model
@@ -37,7 +43,10 @@ from post_training_cookbook.service.types import (
     WeightSyncType,
 )
 
-_ENGINE_MODES = {
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+_ENGINE_MODES: dict[WeightSyncType, WeightsMode] = {
     WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS: "drain",
     WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH: "drain",
     WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE: "pipeline",
@@ -53,20 +62,30 @@ class LocalModelService(ModelService):
         num_generator_replicas: int = 1,
         engine_dtype: torch.dtype | None = None,
         max_batch_size: int = 64,
+        engine_threads: int | None = None,
     ) -> None:
-        """Build it with ``create`` unless you already hold a ``Trainer``."""
+        """Build it with ``create`` unless you already hold a ``Trainer``. ``engine_threads``:
+        each generator's intra-op threads (None: half of torch's count, at least 1)."""
         if num_generator_replicas < 1:
             raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
+        if engine_threads is not None and engine_threads < 1:
+            raise ValueError(f"engine_threads must be >= 1 or None, got {engine_threads}")
         self.info = info
         self.trainer = trainer
         weights = load_model(info, torch.float32)
         weights.load_state_dict(trainer.state_dict_for_inference(), strict=False)
+        threads = engine_threads or max(1, torch.get_num_threads() // 2)
         self.engines = [
             LocalEngine(
-                weights, dtype=engine_dtype, max_batch_size=max_batch_size, version=trainer.version
+                weights,
+                dtype=engine_dtype,
+                max_batch_size=max_batch_size,
+                version=trainer.version,
+                num_threads=threads,
             )
             for _ in range(num_generator_replicas)
         ]
+        self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
         self._in_flight = [0] * num_generator_replicas
         self._idle_since: float | None = time.perf_counter()
         self._idle_total = 0.0
@@ -81,12 +100,17 @@ class LocalModelService(ModelService):
         use_lora: bool,
         num_generator_replicas: int = 1,
         engine_dtype: torch.dtype | None = None,
+        engine_threads: int | None = None,
         **trainer_options: object,
     ) -> LocalModelService:
         """Load ``info``'s weights into a trainer (options go to ``Trainer``) and generators."""
         trainer = Trainer(info.source, use_lora=use_lora, **trainer_options)  # type: ignore[arg-type]
         return cls(
-            info, trainer, num_generator_replicas=num_generator_replicas, engine_dtype=engine_dtype
+            info,
+            trainer,
+            num_generator_replicas=num_generator_replicas,
+            engine_dtype=engine_dtype,
+            engine_threads=engine_threads,
         )
 
     async def sample(
@@ -109,15 +133,15 @@ class LocalModelService(ModelService):
         return self._idle_total + ongoing
 
     async def forward(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
-        return await asyncio.to_thread(self.trainer.forward, samples)
+        return await self._on_trainer(self.trainer.forward, samples)
 
     async def forward_backward(
         self, samples: Sequence[TrainingSample], loss: LossConfig
     ) -> ForwardBackwardResult:
-        return await asyncio.to_thread(self.trainer.forward_backward, samples, loss)
+        return await self._on_trainer(self.trainer.forward_backward, samples, loss)
 
     async def optim_step(self, learning_rate: float) -> OptimStepResult:
-        return await asyncio.to_thread(self.trainer.optim_step, learning_rate)
+        return await self._on_trainer(self.trainer.optim_step, learning_rate)
 
     async def weights_sync(
         self, weight_sync_type: WeightSyncType = WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
@@ -126,20 +150,24 @@ class LocalModelService(ModelService):
         version = self.trainer.version
         if version <= self._target_version:
             return version  # already published (or being published)
-        # merged on the caller's side, between optimizer steps, so the weights are consistent
-        state_dict = await asyncio.to_thread(self.trainer.state_dict_for_inference)
+        # On the trainer thread, between optimizer steps: the engines get consistent weights,
+        # and have them before the next training op, which queues behind this.
+        await self._on_trainer(self._hand_weights_to_engines, version, _ENGINE_MODES[sync_type])
         self._target_version = version
-        publish = asyncio.create_task(self._publish(state_dict, version, _ENGINE_MODES[sync_type]))
+        applied = asyncio.create_task(self._until_applied(version))
         if sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS:
-            await publish
+            await applied
         else:
-            self._publishing.add(publish)
-            publish.add_done_callback(self._publishing.discard)
+            self._publishing.add(applied)
+            applied.add_done_callback(self._publishing.discard)
         return version
 
-    async def _publish(self, state_dict: dict[str, torch.Tensor], version: int, mode: str) -> None:
+    def _hand_weights_to_engines(self, version: int, mode: WeightsMode) -> None:
+        state_dict = self.trainer.state_dict_for_inference()
         for engine in self.engines:
-            await asyncio.to_thread(engine.update_weights, state_dict, version, mode=mode)  # type: ignore[arg-type]
+            engine.update_weights(state_dict, version, mode=mode)
+
+    async def _until_applied(self, version: int) -> None:
         await asyncio.gather(*(engine.wait_for_version(version) for engine in self.engines))
 
     def _applied_version(self) -> int:
@@ -155,10 +183,10 @@ class LocalModelService(ModelService):
         )
 
     async def save_training_checkpoint(self, path: PathLike) -> None:
-        await asyncio.to_thread(self.trainer.save_training_checkpoint, path)
+        await self._on_trainer(self.trainer.save_training_checkpoint, path)
 
     async def load_training_checkpoint(self, path: PathLike, *, load_optimizer: bool = True) -> int:
-        await asyncio.to_thread(
+        await self._on_trainer(
             self.trainer.load_training_checkpoint, path, load_optimizer=load_optimizer
         )
         version = self.trainer.version
@@ -169,15 +197,25 @@ class LocalModelService(ModelService):
                 f"the checkpoint's version {version} is not newer than the generators' "
                 f"({self._target_version}); load it into a new service"
             )
-        state_dict = await asyncio.to_thread(self.trainer.state_dict_for_inference)
-        await self._publish(state_dict, version, "drain")
+        await self._on_trainer(self._hand_weights_to_engines, version, "drain")
+        await self._until_applied(version)
         self._target_version = version
         return version
 
     async def save_inference_checkpoint(self, path: PathLike) -> None:
-        await asyncio.to_thread(self.trainer.save_inference_checkpoint, Path(path))
+        await self._on_trainer(self.trainer.save_inference_checkpoint, Path(path))
 
     async def close(self) -> None:
         for publish in list(self._publishing):
             await publish
         await asyncio.gather(*(engine.close() for engine in self.engines))
+        self._trainer_thread.shutdown()
+
+    async def _on_trainer(
+        self, function: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs
+    ) -> _R:
+        """``function(*args, **kwargs)`` on the trainer thread."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._trainer_thread, functools.partial(function, *args, **kwargs)
+        )
