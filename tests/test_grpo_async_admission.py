@@ -2,6 +2,7 @@
 replays a task position."""
 
 import asyncio
+from collections import Counter
 
 from post_training_cookbook.envs import Task
 from post_training_cookbook.groups import Group
@@ -29,6 +30,8 @@ class QueueOnly(RolloutWorkers):
 
     def __init__(self, stamped: list[StampedGroup]) -> None:
         self.queue = asyncio.Queue()
+        self.ready = []
+        self.playing = Counter()
         self._workers = []
         self.gate = StartGate(config())
         self.gate.outstanding = len(stamped)
@@ -67,6 +70,35 @@ def test_a_group_older_than_max_steps_off_policy_is_dropped_and_counted_as_stale
     assert metrics["rollout/zero_variance_skip_ratio"] == 1 / 3
     assert metrics["async/policy_age_max"] == 1.0
     assert ledger.low_water == 4
+
+
+def test_a_group_on_its_last_chance_is_waited_for_instead_of_overtaken():
+    young = StampedGroup(group([0.0, 1.0]), position=1, start_version=5)
+    last_chance = StampedGroup(group([1.0, 0.0]), position=0, start_version=4)
+
+    async def admit(still_playing: bool):
+        workers = QueueOnly([young])
+        workers.gate.outstanding = 2
+        if still_playing:
+            workers.playing[4] = 1  # position 0, started at version 4, is still being played
+
+            async def finish():
+                await asyncio.sleep(0.05)
+                workers.playing[4] -= 1
+                await workers.queue.put(last_chance)
+
+            finishing = asyncio.create_task(finish())
+        admission = await admit_groups(workers, PositionLedger(), config(batch_size=1), 5)
+        if still_playing:
+            await finishing
+        return admission, workers.ready
+
+    admission, left = asyncio.run(admit(still_playing=True))
+    # at version 5 with N=1, this step is the last that can take a group started at 4
+    assert [s.position for s in admission.admitted] == [0] and admission.dropped_stale == 0
+    assert admission.wait_s >= 0.04 and left == [young]  # the next step can still take it
+    admission, left = asyncio.run(admit(still_playing=False))
+    assert [s.position for s in admission.admitted] == [1] and left == []
 
 
 def test_max_steps_off_policy_zero_admits_only_groups_of_the_current_policy():

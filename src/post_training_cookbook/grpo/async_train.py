@@ -4,11 +4,15 @@
 a time, stamped with the policy version the generators had when its rollout started, and
 queue it when done. A worker starts a group only when the steps that may still admit it
 have room for it (``StartGate``): back-pressure instead of rollouts made only to be dropped.
-Each step admits queued groups in order:
+Each step admits finished groups, oldest start version first:
 
 - a group older than N optimizer steps (trainer version − its start version) is dropped as
   stale and counted in ``async/dropped_stale_groups`` — never in ``zero_variance_skip_ratio``;
 - other groups are admitted; those without reward variance are skipped and counted;
+- a group on its last chance (exactly N steps old) is never overtaken: while such groups are
+  still being played, the step waits for them rather than give their places to younger
+  groups, which a later step can still take. Otherwise a group with long episodes finishes
+  after younger ones took the step and is dropped, its rollouts lost;
 - the step trains once it has ``batch_size`` informative groups, or has admitted
   ``max_sampling_attempts × batch_size`` fresh groups (dynamic sampling's budget).
 
@@ -27,6 +31,7 @@ import asyncio
 import contextlib
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -147,6 +152,11 @@ class RolloutWorkers:
         self._stream = TaskStream(tasks, config.seed)
         self._positions = ledger.positions_to_hand_out()
         self.queue: asyncio.Queue[StampedGroup] = asyncio.Queue()
+        """Finished groups, in the order they finished; admissions move them to ``ready``."""
+        self.ready: list[StampedGroup] = []
+        """Finished groups no admission has taken yet."""
+        self.playing: Counter[int] = Counter()
+        """Groups being played, by start version."""
         # a resumed run starts at its checkpoint's version, not 0
         self.gate = StartGate(config, session.service.policy_state().trainer_step)
         self._workers: list[asyncio.Task[None]] = []
@@ -164,10 +174,30 @@ class RolloutWorkers:
             position = self._positions.take()
             task = self._stream.at(position)
             seed = derive_seed(config.seed, "train", position)
-            group = await play_group(
-                session.runner, task, config.episodes_per_task, session.train_params, seed
-            )
+            self.playing[version] += 1
+            try:
+                group = await play_group(
+                    session.runner, task, config.episodes_per_task, session.train_params, seed
+                )
+            finally:
+                self.playing[version] -= 1
             await self.queue.put(StampedGroup(group, position, version))
+
+    async def next_group(self, last_chance: int, still_needed: int) -> StampedGroup:
+        """The group an admission takes next: the oldest finished one, unless it is younger
+        than ``last_chance`` (the start version this step is the last to admit) while that
+        many groups of ``last_chance`` are still playing as the admission still needs."""
+        while True:
+            self.raise_if_failed()
+            while not self.queue.empty():
+                self.ready.append(self.queue.get_nowait())
+            if self.ready:
+                oldest = min(self.ready, key=lambda stamped: stamped.start_version)
+                if oldest.start_version <= last_chance or self.playing[last_chance] < still_needed:
+                    self.ready.remove(oldest)
+                    return oldest
+            with contextlib.suppress(TimeoutError):
+                self.ready.append(await asyncio.wait_for(self.queue.get(), timeout=0.5))
 
     async def stop(self) -> None:
         for worker in self._workers:
@@ -220,17 +250,19 @@ def _mixed_version_share(episodes: Sequence[Episode]) -> float:
 async def admit_groups(
     workers: RolloutWorkers, ledger: PositionLedger, config: GRPOConfig, trainer_version: int
 ) -> AsyncAdmission:
-    """Take queued groups until the batch is full or the dynamic-sampling budget is spent."""
+    """Take finished groups, oldest first, until the batch is full or the dynamic-sampling
+    budget is spent."""
     admission = AsyncAdmission()
     budget = config.max_sampling_attempts * config.batch_size
     assert config.max_steps_off_policy is not None
+    last_chance = trainer_version - config.max_steps_off_policy
     while len(admission.admitted) < budget:
         still_needed = config.batch_size - len(admission.informative_groups(config))
         if still_needed <= 0:
             break
         workers.gate.admitting(trainer_version, still_needed)
         started = time.perf_counter()
-        stamped = await _next_group(workers)
+        stamped = await workers.next_group(last_chance, still_needed)
         admission.wait_s += time.perf_counter() - started
         workers.gate.taken()
         ledger.mark_done(stamped.position)
@@ -243,15 +275,6 @@ async def admit_groups(
     # while this step trains, workers fill the next one, whose trainer version is one higher
     workers.gate.admitting(trainer_version + 1, config.batch_size)
     return admission
-
-
-async def _next_group(workers: RolloutWorkers) -> StampedGroup:
-    while True:
-        workers.raise_if_failed()
-        try:
-            return await asyncio.wait_for(workers.queue.get(), timeout=0.5)
-        except TimeoutError:
-            continue
 
 
 async def run_async_steps(
