@@ -4,6 +4,7 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
 ``--new-tokens`` tokens per sequence) for every engine, measured side by side in one run:
 
     OMP_NUM_THREADS=2 python benchmarks/generation.py                 # the bundled model
+    python benchmarks/generation.py --engine-threads 1                # LocalEngine on 1 thread
     python benchmarks/generation.py --model random-qwen2              # random ~2.9M Qwen2
     python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
 
@@ -12,7 +13,9 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
 (a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers).
 Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.
 Timings are the best of ``--repeats`` runs after one warm-up; other processes on the
-machine skew them, so the load average is printed next to the table.
+machine skew them, so the load average is printed next to the table. ``generate`` runs on
+the main thread, LocalEngine on its worker thread with ``--engine-threads`` intra-op threads
+(default: torch's count; see "Threads" in ``engine/local.py`` for why fewer can be faster).
 """
 
 from __future__ import annotations
@@ -107,8 +110,11 @@ def time_local_engine(
     prompts: list[list[int]],
     new: int,
     repeats: int,
+    threads: int | None,
 ) -> float:
-    engine = LocalEngine(model, dtype=dtype, max_batch_size=len(prompts), prefix_cache_size=0)
+    engine = LocalEngine(
+        model, dtype=dtype, max_batch_size=len(prompts), prefix_cache_size=0, num_threads=threads
+    )
     params = SamplingParams(max_tokens=new)
 
     async def generate() -> None:
@@ -160,6 +166,9 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument(
+        "--engine-threads", type=int, default=None, help="LocalEngine's intra-op threads"
+    )
     args = parser.parse_args()
 
     base = load_base(args.model)
@@ -170,6 +179,7 @@ def main() -> None:
     params_m = sum(p.numel() for p in base.parameters()) / 1e6
     print(f"model: {args.model} ({params_m:.1f}M params), batch {args.batch} x "
           f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}, "
+          f"LocalEngine threads {args.engine_threads or torch.get_num_threads()}, "
           f"load average before {os.getloadavg()[0]:.2f}")  # fmt: skip
 
     rows: list[Row] = []
@@ -184,7 +194,9 @@ def main() -> None:
                 tokens,
             )
         )
-        seconds = time_local_engine(base, dtype, prompts, args.new_tokens, args.repeats)
+        seconds = time_local_engine(
+            base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads
+        )
         rows.append(Row("LocalEngine", name, seconds, tokens))
         if not args.no_vllm:
             result = time_vllm(base, name, prompts, args.new_tokens, args.repeats)
