@@ -153,7 +153,7 @@ def test_gradients_do_not_depend_on_micro_batching(use_lora: bool, loss_type: st
         warm.forward_backward(samples, GRPO)
         warm.optim_step(1e-2)
     results = []
-    for budget in (4096, 30):  # one micro-batch vs one or two short rows each
+    for budget in (4096, 30):  # rows grouped by length only vs one or two short rows each
         trainer = make_trainer(
             use_lora, copy.deepcopy(model), micro_batch_tokens=budget, reference_model=True
         )
@@ -170,6 +170,18 @@ def test_gradients_do_not_depend_on_micro_batching(use_lora: bool, loss_type: st
     assert whole_grads.keys() == split_grads.keys() and whole_grads
     for name, grad in whole_grads.items():
         torch.testing.assert_close(split_grads[name], grad, atol=1e-5, rtol=1e-4)
+
+
+def test_micro_batches_group_rows_of_similar_length_so_padding_stays_under_a_quarter() -> None:
+    trainer = make_trainer(False, micro_batch_tokens=10_000)
+    samples = make_samples(40, seed=3)
+    batches = list(trainer._micro_batches(samples))
+    assert sorted(i for b in batches for i in b.indices) == list(range(40))
+    for batch in batches:
+        real = sum(len(samples[i].tokens) for i in batch.indices)
+        assert real >= 0.75 * batch.input_ids.numel()
+    # lengths 6-24 span more than a factor 4/3 twice over: one batch would pad far more
+    assert len(batches) >= 3
 
 
 def test_forward_backward_reports_the_loss_metrics() -> None:

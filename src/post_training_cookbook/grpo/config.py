@@ -151,8 +151,9 @@ class GRPOConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
     micro_batch_tokens: int = 8192
-    """Padded tokens per forward/backward micro-batch. A longer episode gets one alone.
-    Bounds memory, not the result."""
+    """Padded tokens per forward/backward micro-batch. A longer episode gets one alone, and
+    episodes under 3/4 of a micro-batch's longest go to another, so padding stays under a
+    quarter. Bounds memory, not the result."""
 
     # Async and scale-out
     max_steps_off_policy: int | None = None
