@@ -269,13 +269,15 @@ class LocalEngine:
     # ---- worker thread ---------------------------------------------------------------
 
     def _serve(self) -> None:
-        # torch gives a thread its count on the thread's first parallel op, from the process
-        # default: have that happen now, so the default restored later does not override it.
-        torch.get_num_threads()
-        if self._num_threads is not None:
-            torch.set_num_threads(self._num_threads)
-        self._worker_threads = torch.get_num_threads()
-        self._started.set()
+        try:
+            # torch gives a thread its count on the thread's first parallel op, from the process
+            # default: have that happen now, so the default restored later does not override it.
+            torch.get_num_threads()
+            if self._num_threads is not None:
+                torch.set_num_threads(self._num_threads)
+            self._worker_threads = torch.get_num_threads()
+        finally:
+            self._started.set()  # the constructor waits for this
         with torch.inference_mode():
             while (work := self._next_work()) is not None:
                 update, requests = work

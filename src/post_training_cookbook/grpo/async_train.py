@@ -184,9 +184,9 @@ class RolloutWorkers:
             await self.queue.put(StampedGroup(group, position, version))
 
     async def next_group(self, last_chance: int, still_needed: int) -> StampedGroup:
-        """The group an admission takes next: the oldest finished one, unless it is younger
-        than ``last_chance`` (the start version this step is the last to admit) while that
-        many groups of ``last_chance`` are still playing as the admission still needs."""
+        """The group an admission takes next: the oldest finished one. ``last_chance`` is the
+        oldest start version the step may admit; a younger group waits (a later step can take
+        it) while the groups of ``last_chance`` still playing could fill ``still_needed``."""
         while True:
             self.raise_if_failed()
             while not self.queue.empty():
