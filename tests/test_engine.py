@@ -609,23 +609,27 @@ async def test_close_fails_pending_calls_and_later_ones_with_runtime_error(
 def test_num_threads_sets_the_workers_count_only(model: torch.nn.Module) -> None:
     with pytest.raises(ValueError, match="num_threads"):
         LocalEngine(model, num_threads=0)
-    caller = torch.get_num_threads()
     params = SamplingParams(max_tokens=16, seed=3)
 
     async def sample(engine: LocalEngine) -> list[SampledSequence]:
         async with engine:
             return await engine.sample(prompt_of(9, 1), 2, params)
 
-    default = LocalEngine(model)
-    single = LocalEngine(model, num_threads=1)
-    # the caller, and threads started later, keep the process's count
-    later: list[int] = []
-    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    assert (single.num_threads, default.num_threads) == (1, caller)
-    assert torch.get_num_threads() == caller and later == [caller]
-    expected, got = asyncio.run(sample(default)), asyncio.run(sample(single))
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)  # so that the worker's 1 differs from the caller's count
+    try:
+        default = LocalEngine(model)
+        single = LocalEngine(model, num_threads=1)
+        # the caller, and threads started later, keep the process's count
+        later: list[int] = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        caller = torch.get_num_threads()
+        expected, got = asyncio.run(sample(default)), asyncio.run(sample(single))
+    finally:
+        torch.set_num_threads(original)
+    assert (single.num_threads, default.num_threads, caller, later) == (1, 2, 2, [2])
     assert [s.tokens for s in got] == [s.tokens for s in expected]
     for one, reference in zip(got, expected, strict=True):
         assert one.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
