@@ -93,6 +93,25 @@ async def wait_for_decode_steps(engine: LocalEngine, steps: int) -> None:
         await asyncio.sleep(0.001)
 
 
+def decode_to_the_end(
+    decoder: Decoder,
+    loop: asyncio.AbstractEventLoop,
+    prompts: list[list[int]],
+    max_tokens: int,
+) -> list[list[SampledSequence]]:
+    """Drive ``decoder`` directly (no worker thread): one prefill of every prompt (request i
+    seeded with i), then decode steps until every row is done."""
+    requests = [
+        Request(p, 1, SamplingParams(max_tokens=max_tokens, seed=i), loop, loop.create_future())
+        for i, p in enumerate(prompts)
+    ]
+    with torch.inference_mode():
+        decoder.prefill(requests)
+        while decoder.rows:
+            decoder.decode_step()
+    return loop.run_until_complete(asyncio.gather(*(r.future for r in requests)))
+
+
 # ---- (1) logprobs ------------------------------------------------------------------------
 
 
@@ -168,18 +187,7 @@ def test_the_fused_decode_step_and_the_models_forward_sample_alike(
         decoder = Decoder(inference_copy(model, dtype, torch.device("cpu")), prefix_cache_size=0)
         if not fused:
             decoder.fused = None
-        requests = [
-            Request(p, 1, SamplingParams(max_tokens=10, seed=i), loop, loop.create_future())
-            for i, p in enumerate(prompts)
-        ]
-        with torch.inference_mode():
-            decoder.prefill(requests)
-            while decoder.rows:
-                decoder.decode_step()
-        return [
-            seqs[0]
-            for seqs in loop.run_until_complete(asyncio.gather(*(r.future for r in requests)))
-        ]
+        return [seqs[0] for seqs in decode_to_the_end(decoder, loop, prompts, max_tokens=10)]
 
     fused, reference = run(fused=True), run(fused=False)
     loop.close()
@@ -438,15 +446,7 @@ def test_a_prefill_mixing_a_cache_hit_and_a_longer_miss_keeps_both_exact(
     loop = asyncio.new_event_loop()
 
     def run(*prompts: list[int]) -> list[list[SampledSequence]]:
-        requests = [
-            Request(p, 1, SamplingParams(max_tokens=6, seed=i), loop, loop.create_future())
-            for i, p in enumerate(prompts)
-        ]
-        with torch.inference_mode():
-            decoder.prefill(requests)
-            while decoder.rows:
-                decoder.decode_step()
-        return loop.run_until_complete(asyncio.gather(*(r.future for r in requests)))
+        return decode_to_the_end(decoder, loop, list(prompts), max_tokens=6)
 
     first = prompt_of(20, 0)
     ((done,),) = run(first)
