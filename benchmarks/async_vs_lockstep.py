@@ -1,6 +1,6 @@
 """Async vs lockstep GRPO on the bundled model, with 200 ms of latency on every tool call.
 
-    python benchmarks/async_vs_lockstep.py [--steps 20] [--model ID_OR_PATH]
+    python benchmarks/async_vs_lockstep.py [--steps 20] [--model ID_OR_PATH] [--dtype bfloat16]
 
 Runs the same recipe (same seed, model, tasks; the seed's async shape: batch_size 4,
 8 episodes per task, groups_in_flight 8, max_steps_off_policy 1) lockstep and async with
@@ -114,6 +114,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--model", default=BUNDLED_MODEL_ID)
     parser.add_argument("--only", nargs="*", choices=list(VARIANTS), help="variants to run")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="GRPOConfig.dtype for every variant (default: the model's catalog dtype)",
+    )
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the rate is measured after the first step")
@@ -133,12 +139,14 @@ def main(argv: list[str]) -> int:
         runs_dir=str(runs_dir),
         checkpoint_interval=0,
         seed=0,
+        dtype=args.dtype,
     )
     names = ["lockstep", *(name for name in args.only or VARIANTS if name != "lockstep")]
     results = {name: run_variant(base, name, VARIANTS[name]) for name in names}
     lockstep = results["lockstep"]
     print(
-        f"\n{args.steps} steps, {TOOL_LATENCY_S * 1000:.0f} ms per tool call, {args.model}, "
+        f"\n{args.steps} steps, {TOOL_LATENCY_S * 1000:.0f} ms per tool call, {args.model} "
+        f"({args.dtype or 'catalog dtype'}), "
         f"load average {os.getloadavg()[0]:.2f}; steps/hour and s/step after the first step"
     )
     print(

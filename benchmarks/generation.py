@@ -13,9 +13,13 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
 (a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers).
 Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.
 Timings are the best of ``--repeats`` runs after one warm-up; other processes on the
-machine skew them, so the load average is printed next to the table. ``generate`` runs on
-the main thread, LocalEngine on its worker thread with ``--engine-threads`` intra-op threads
-(default: torch's count; see "Threads" in ``engine/local.py`` for why fewer can be faster).
+machine skew them, so the load average is printed next to the table (on the shared 2-core
+machine the same command has moved either engine's best by a third between runs, so
+compare ratios from one run, and run it more than once). ``generate`` runs on the main
+thread, LocalEngine on its worker thread with ``--engine-threads`` intra-op threads
+(default: torch's count; see "Threads" in ``engine/local.py``: with more than one, the
+engine releases the main thread's idle OpenMP pool, which torch restarts for the next
+``generate``).
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument(
         "--engine-threads", type=int, default=None, help="LocalEngine's intra-op threads"

@@ -450,12 +450,28 @@ def test_a_prefill_mixing_a_cache_hit_and_a_longer_miss_keeps_both_exact(
 
     first = prompt_of(20, 0)
     ((done,),) = run(first)
-    hit, miss = first + done.tokens + [9], prompt_of(30, 1)
+    # suffixes of 26 and 30 tokens: similar enough to share a forward
+    hit, miss = first + done.tokens + prompt_of(25, 2), prompt_of(30, 1)
     results = run(hit, miss)
     loop.close()
     assert (decoder.stats.prefix_cache_hits, decoder.stats.prefill_batches) == (1, 2)
     assert decoder.stats.prefill_tokens_reused == 20 + 6 - 1
     assert mean_abs_logprob_error(model, [hit, miss], results) <= 1e-4
+
+
+def test_a_prefill_of_long_and_short_prompts_runs_one_forward_per_length_group(
+    model: torch.nn.Module,
+) -> None:
+    """Suffixes under 3/4 of their group's longest go to another forward (less padding);
+    every sample is still exact."""
+    decoder = Decoder(inference_copy(model, None, torch.device("cpu")), prefix_cache_size=0)
+    loop = asyncio.new_event_loop()
+    prompts = [prompt_of(40, 0), prompt_of(31, 1), prompt_of(12, 2), prompt_of(10, 3)]
+    results = decode_to_the_end(decoder, loop, prompts, max_tokens=5)
+    loop.close()
+    assert decoder.stats.prefill_batches == 2  # [40, 31] and [12, 10]
+    assert decoder.stats.prefill_tokens_computed == 40 + 31 + 12 + 10
+    assert mean_abs_logprob_error(model, prompts, results) <= 1e-4
 
 
 # ---- (6) weight updates ----------------------------------------------------------------------

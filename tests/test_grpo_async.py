@@ -8,9 +8,11 @@ sync semantics are tested in test_engine.py and test_service.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
+import torch
 from test_grpo_common import (
     LIVE,
     Closes,
@@ -23,7 +25,9 @@ from test_grpo_common import (
     train_dump,
 )
 
+from post_training_cookbook.grpo import session as session_module
 from post_training_cookbook.grpo.train import train_multi_turn
+from post_training_cookbook.models import resolve_model
 
 ASYNC_KEYS = (
     "async/train_wait_s",
@@ -128,3 +132,33 @@ def test_a_resumed_async_run_trains_no_task_twice(tiny_llama_dir, tmp_path, scri
     )
     # a group's episodes share its prompt; a task trained twice would show twice as many
     assert set(prompts.values()) == {first.episodes_per_task}
+
+
+@pytest.mark.parametrize(("is_async", "expected"), [(False, (2, 1)), (True, (1, 1))])
+def test_async_splits_the_cores_between_trainer_and_engine_lockstep_gives_each_all(
+    tiny_llama_dir, tmp_path, is_async, expected
+):
+    """On 2 threads: lockstep alternates, so the trainer takes both (the engine keeps its
+    default half); async runs both at once, so each gets one instead of oversubscribing."""
+    config = (
+        async_config(tiny_llama_dir, tmp_path)
+        if is_async
+        else quick_config(tiny_llama_dir, tmp_path, use_lora=False)
+    )
+    info = resolve_model(config.model, codec=config.codec)
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    async def open_and_close():
+        service = await session_module._open_service(config, info)
+        try:
+            return service.trainer_threads, service.engines[0].num_threads
+        finally:
+            await service.close()
+
+    try:
+        got = asyncio.run(open_and_close())
+        caller = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(original)
+    assert (got, caller) == (expected, 2)

@@ -36,12 +36,13 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def make_service(model_dir, *, use_lora, replicas=1):
+def make_service(model_dir, *, use_lora, replicas=1, trainer_threads=None):
     info = resolve_model(str(model_dir), codec="hermes")
     return LocalModelService.create(
         info,
         use_lora=use_lora,
         num_generator_replicas=replicas,
+        trainer_threads=trainer_threads,
         seed=0,
         autocast_bf16=False,
         lora_rank=4,
@@ -196,8 +197,39 @@ def test_trainer_work_runs_on_one_trainer_thread_and_engines_take_half_the_threa
     assert len(threads) == 4 and len(set(threads)) == 1
     assert threads[0].startswith("trainer") and threads[0] != threading.current_thread().name
     assert service.engines[0].num_threads == 2  # half of the 4 torch had at construction
+    assert service.trainer_threads == 4  # by default, all of them
     with pytest.raises(ValueError, match="engine_threads"):
         LocalModelService(service.info, trainer, engine_threads=0)
+    with pytest.raises(ValueError, match="trainer_threads"):
+        LocalModelService(service.info, trainer, trainer_threads=0)
+
+
+def test_trainer_threads_sets_the_trainer_threads_count_only(model_dir):
+    original = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        service = make_service(model_dir, use_lora=False, trainer_threads=1)
+        seen: list[int] = []
+        forward_backward = service.trainer.forward_backward
+
+        def recorded(*args, **kwargs):
+            seen.append(torch.get_num_threads())
+            return forward_backward(*args, **kwargs)
+
+        service.trainer.forward_backward = recorded
+
+        async def scenario():
+            try:
+                samples, _ = await sample_episodes(service, seed=8)
+                await service.forward_backward(samples, LossConfig())
+            finally:
+                await service.close()
+
+        asyncio.run(scenario())
+        caller = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(original)
+    assert (service.trainer_threads, seen, caller) == (1, [1], 2)
 
 
 def test_a_deferred_publish_reaches_the_engines_while_the_next_training_op_runs(model_dir):

@@ -172,8 +172,14 @@ class Decoder:
     # ---- prefill -----------------------------------------------------------------------
 
     def prefill(self, requests: list[Request]) -> None:
-        """Prefill every distinct prompt in one forward, then give each sample its row."""
-        prompts = self._distinct_prompts(requests)
+        """Prefill every distinct prompt, then give each sample its row: one forward per
+        group of similar suffix lengths, so padding stays under a quarter of what it computes
+        (multi-turn mixes first turns of hundreds of tokens with tool results of tens: one
+        forward over all padded ~50% more tokens than it had, measured on the async benchmark)."""
+        for group in _similar_lengths(self._distinct_prompts(requests)):
+            self._prefill(group)
+
+    def _prefill(self, prompts: list[_Prompt]) -> None:
         width = max(len(p.suffix) for p in prompts)
         self.batch.reserve(
             sum(len(p.samples) for p in prompts), width + max(p.reused for p in prompts)
@@ -377,6 +383,17 @@ def settle(
 
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits the future any more
         loop.call_soon_threadsafe(resolve)
+
+
+def _similar_lengths(prompts: list[_Prompt]) -> list[list[_Prompt]]:
+    """Longest suffix first; a prompt under 3/4 of its group's longest starts a new group."""
+    groups: list[list[_Prompt]] = []
+    for prompt in sorted(prompts, key=lambda p: len(p.suffix), reverse=True):
+        if groups and 4 * len(prompt.suffix) >= 3 * len(groups[-1][0].suffix):
+            groups[-1].append(prompt)
+        else:
+            groups.append([prompt])
+    return groups
 
 
 def _accepts_logits_to_keep(model: Any) -> bool:

@@ -30,11 +30,12 @@ step is mostly the weight matmuls, which ``generate`` pays as well, and the atte
 Threads. On CPU the worker computes with ``num_threads`` intra-op threads (None: torch's
 count). Each thread that runs parallel torch ops keeps its own OpenMP pool, and once the
 process holds more OpenMP threads than CPUs, libgomp cuts the spin-wait of idle pool threads
-to almost nothing, so every small parallel op pays a futex wake-up. A decode step is
-hundreds of small ops: measured on 2 cores, a [32, 256] x [256, 1280] matmul took 160 us on
-the main thread and 250 us on a second thread while the main thread's pool existed. So
-beside a trainer (``LocalModelService``), the engine takes a share of the CPUs instead of
-all of them. The count applies to the worker thread only; the caller's stays as it was.
+to almost nothing, so every small parallel op pays a futex wake-up (``engine/threads.py``
+has the measurements). A decode step is hundreds of small ops, so: when the worker computes
+with more than one thread, the constructor releases the calling thread's idle pool (torch
+starts it again when that thread next runs a parallel op), and beside a trainer
+(``LocalModelService``) the engine takes a share of the CPUs instead of all of them. The
+count applies to the worker thread only; the caller's stays as it was.
 
 Prefix reuse. When a sequence finishes, its KV (prompt + tokens but the last) goes to an
 LRU cache tagged with the weights version; a later prompt sharing a prefix with an entry of
@@ -69,6 +70,7 @@ from post_training_cookbook.engine.decoder import (
     inference_copy,
     settle,
 )
+from post_training_cookbook.engine.threads import release_idle_openmp_pool
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 
 __all__ = ["EngineStats", "LocalEngine", "WeightsMode"]
@@ -134,6 +136,8 @@ class LocalEngine:
             # torch.set_num_threads also sets the default that threads starting later take;
             # only the worker's own count was meant to change.
             torch.set_num_threads(caller_threads)
+        if self._worker_threads > 1 and engine_model.device.type == "cpu":
+            release_idle_openmp_pool()  # the worker's pool is the one that should spin
 
     # ---- public API ----------------------------------------------------------------
 

@@ -76,10 +76,18 @@ async def _open_service(config: GRPOConfig, info: ModelInfo) -> ModelService:
             max_model_len=config.max_model_length,
             **trainer_options,
         )
+    threads: dict[str, int] = {}
+    if config.is_async:
+        # Training and generation run at once: split the cores between them instead of
+        # oversubscribing (engine/threads.py). Lockstep alternates, so each takes them all.
+        engine_threads = max(1, torch.get_num_threads() // 2)
+        trainer_threads = max(1, torch.get_num_threads() - engine_threads)
+        threads = {"engine_threads": engine_threads, "trainer_threads": trainer_threads}
     return LocalModelService.create(
         info,
         use_lora=config.use_lora,
         num_generator_replicas=config.num_generator_replicas,
         engine_dtype=getattr(torch, dtype_name),
+        **threads,
         **trainer_options,
     )

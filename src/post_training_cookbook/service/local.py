@@ -5,7 +5,11 @@ The trainer holds fp32 master weights (LoRA via peft, or full weight). Each gene
 weights into the engines) run on one trainer thread, so the event loop — environments,
 tools, sampling requests — keeps going while they compute, and one thread pool of OpenMP
 workers serves all of them. Generators compute with half of torch's intra-op threads by
-default, leaving the rest to the trainer beside them (see "Threads" in ``engine/local.py``).
+default, leaving the rest to the trainer beside them (see "Threads" in ``engine/local.py``);
+the trainer takes ``trainer_threads`` (default: torch's count, which suits a loop where
+training and generation take turns; a loop that runs them at once gives each its share).
+Once built, the service releases the constructing thread's idle OpenMP pool
+(``engine/threads.py``): from then on that thread hands its parallel work over.
 
 Weight sync modes:
 - SYNCHRONOUS: merged weights are handed to every engine, and the call returns once they
@@ -29,6 +33,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from post_training_cookbook.engine.local import LocalEngine, WeightsMode
+from post_training_cookbook.engine.threads import release_idle_openmp_pool
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_model
@@ -63,13 +68,17 @@ class LocalModelService(ModelService):
         engine_dtype: torch.dtype | None = None,
         max_batch_size: int = 64,
         engine_threads: int | None = None,
+        trainer_threads: int | None = None,
     ) -> None:
         """Build it with ``create`` unless you already hold a ``Trainer``. ``engine_threads``:
-        each generator's intra-op threads (None: half of torch's count, at least 1)."""
+        each generator's intra-op threads (None: half of torch's count, at least 1);
+        ``trainer_threads``: the trainer thread's (None: torch's count)."""
         if num_generator_replicas < 1:
             raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
-        if engine_threads is not None and engine_threads < 1:
-            raise ValueError(f"engine_threads must be >= 1 or None, got {engine_threads}")
+        counts = {"engine_threads": engine_threads, "trainer_threads": trainer_threads}
+        for name, count in counts.items():
+            if count is not None and count < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {count}")
         self.info = info
         self.trainer = trainer
         weights = load_model(info, torch.float32)
@@ -85,7 +94,20 @@ class LocalModelService(ModelService):
             )
             for _ in range(num_generator_replicas)
         ]
-        self._trainer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+        caller_threads = torch.get_num_threads()
+        self._trainer_thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="trainer",
+            initializer=_set_own_thread_count,
+            initargs=(trainer_threads,),
+        )
+        self.trainer_threads = self._trainer_thread.submit(torch.get_num_threads).result()
+        if trainer_threads is not None:
+            # torch.set_num_threads also set the default that threads starting later take;
+            # only the trainer thread's own count was meant to change.
+            torch.set_num_threads(caller_threads)
+        if trainer.device.type == "cpu":
+            release_idle_openmp_pool()
         self._in_flight = [0] * num_generator_replicas
         self._idle_since: float | None = time.perf_counter()
         self._idle_total = 0.0
@@ -101,6 +123,7 @@ class LocalModelService(ModelService):
         num_generator_replicas: int = 1,
         engine_dtype: torch.dtype | None = None,
         engine_threads: int | None = None,
+        trainer_threads: int | None = None,
         **trainer_options: object,
     ) -> LocalModelService:
         """Load ``info``'s weights into a trainer (options go to ``Trainer``) and generators."""
@@ -111,6 +134,7 @@ class LocalModelService(ModelService):
             num_generator_replicas=num_generator_replicas,
             engine_dtype=engine_dtype,
             engine_threads=engine_threads,
+            trainer_threads=trainer_threads,
         )
 
     async def sample(
@@ -219,3 +243,12 @@ class LocalModelService(ModelService):
         return await loop.run_in_executor(
             self._trainer_thread, functools.partial(function, *args, **kwargs)
         )
+
+
+def _set_own_thread_count(count: int | None) -> None:
+    """Runs first on the trainer thread: its intra-op count (None: keep the default)."""
+    # torch gives a thread its count on the thread's first parallel op, from the process
+    # default: have that happen now, so that a default restored later does not override it.
+    torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)

@@ -1,0 +1,81 @@
+"""Releasing a thread's idle OpenMP pool: its workers exit, torch starts new ones on demand,
+results stay the same; LocalEngine releases its caller's pool when its worker computes with
+more than one thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from test_engine import tiny_model
+
+from post_training_cookbook.engine import LocalEngine
+from post_training_cookbook.engine import local as engine_local
+from post_training_cookbook.engine.threads import release_idle_openmp_pool
+
+# Runs in a fresh process: the count of OS threads there is the test's own.
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, torch
+    from post_training_cookbook.engine.threads import release_idle_openmp_pool
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    torch.set_num_threads(2)
+    x = torch.randn(512, 512)
+    alone = threads()
+    first = (x @ x).sum().item()  # a parallel op: the main thread's pool starts
+    with_pool = threads()
+    released = release_idle_openmp_pool()
+    after_release = threads()
+    second = (x @ x).sum().item()  # torch starts a pool again
+    print(json.dumps({
+        "alone": alone, "with_pool": with_pool, "released": released,
+        "after_release": after_release, "again": threads(), "same": first == second,
+    }))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc")
+def test_release_lets_the_idle_workers_exit_and_torch_starts_them_again() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, check=True
+    )
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    if not seen["released"]:
+        pytest.skip("this torch build does not use GNU libgomp")
+    assert seen["with_pool"] > seen["alone"]  # the pool's worker
+    assert seen["after_release"] == seen["alone"]
+    assert seen["again"] == seen["with_pool"]
+    assert seen["same"]
+
+
+def test_release_is_harmless_without_a_pool() -> None:
+    release_idle_openmp_pool()  # True or False by build; must not raise
+    x = torch.randn(64, 64)
+    torch.testing.assert_close(x @ x, x @ x)
+
+
+def test_engine_releases_its_callers_pool_only_when_it_computes_with_more_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_model()
+    calls: list[int] = []
+    monkeypatch.setattr(engine_local, "release_idle_openmp_pool", lambda: calls.append(1))
+    original = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LocalEngine(model, num_threads=1).shutdown()
+        assert calls == []  # a 1-thread worker has no pool: the caller's spins alone
+        LocalEngine(model, num_threads=2).shutdown()
+        assert calls == [1]
+    finally:
+        torch.set_num_threads(original)
