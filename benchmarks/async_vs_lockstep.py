@@ -1,14 +1,18 @@
 """Async vs lockstep GRPO on the bundled model, with 200 ms of latency on every tool call.
 
     python benchmarks/async_vs_lockstep.py [--steps 20] [--model ID_OR_PATH] [--dtype bfloat16]
+        [--max-steps-off-policy 2] [--groups-in-flight 12]
 
-Runs the same recipe (same seed, model, tasks; the seed's async shape: batch_size 4,
-8 episodes per task, groups_in_flight 8, max_steps_off_policy 1) lockstep and async with
-each weight sync type, for the same number of steps, one after the other in this process,
-and prints steps/hour, the ratio to lockstep, validation success after the last step, and
-where the time went. The latency stands in for real tools (sandboxes, APIs): lockstep
-waits for it, async overlaps it with training. Run it on an otherwise idle machine: other
-processes take the CPU that async would fill while tools are waited on.
+Runs the same recipe (same seed, model, tasks; batch_size 4, 8 episodes per task) lockstep
+and async with each weight sync type, for the same number of steps, one after the other
+in this process, and prints steps/hour, the ratio to lockstep, validation success after
+the last step, and where the time went. Async runs with max_steps_off_policy 2 and 12
+groups in flight by default; ``--max-steps-off-policy 1 --groups-in-flight 8`` is the
+seed's async example, which on 2 cores leaves the generators idle while every episode the
+next step needs waits on a tool (docs/async.md has both tables). The latency stands in for
+real tools (sandboxes, APIs): lockstep waits for it, async overlaps it with training. Run it
+on an otherwise idle machine: other processes take the CPU that async would fill while
+tools are waited on.
 
 Steps/hour is the sustained rate, after the first step, for every variant: the first step
 pays one-time costs (first calls; async also fills its pipeline: it starts
@@ -68,12 +72,11 @@ class LatencyEnv(Env):
         await self._inner.close()
 
 
-ASYNC = {"max_steps_off_policy": 1, "groups_in_flight": 8}
-VARIANTS: dict[str, dict[str, object]] = {
+VARIANTS: dict[str, dict[str, object]] = {  # async ones also get --max-steps-off-policy etc.
     "lockstep": {},
-    "async SYNCHRONOUS": ASYNC,
-    "async BACKGROUND_PUBLISH": ASYNC | {"weight_sync_type": "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"},
-    "async PIPELINE": ASYNC | {"weight_sync_type": "WEIGHT_SYNC_TYPE_PIPELINE"},
+    "async SYNCHRONOUS": {"weight_sync_type": "WEIGHT_SYNC_TYPE_SYNCHRONOUS"},
+    "async BACKGROUND_PUBLISH": {"weight_sync_type": "WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH"},
+    "async PIPELINE": {"weight_sync_type": "WEIGHT_SYNC_TYPE_PIPELINE"},
 }
 
 
@@ -120,6 +123,8 @@ def main(argv: list[str]) -> int:
         default=None,
         help="GRPOConfig.dtype for every variant (default: the model's catalog dtype)",
     )
+    parser.add_argument("--max-steps-off-policy", type=int, default=2)
+    parser.add_argument("--groups-in-flight", type=int, default=12)
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be >= 2: the rate is measured after the first step")
@@ -142,11 +147,19 @@ def main(argv: list[str]) -> int:
         dtype=args.dtype,
     )
     names = ["lockstep", *(name for name in args.only or VARIANTS if name != "lockstep")]
-    results = {name: run_variant(base, name, VARIANTS[name]) for name in names}
+    shape = {
+        "max_steps_off_policy": args.max_steps_off_policy,
+        "groups_in_flight": args.groups_in_flight,
+    }
+    results = {
+        name: run_variant(base, name, VARIANTS[name] | (shape if VARIANTS[name] else {}))
+        for name in names
+    }
     lockstep = results["lockstep"]
     print(
         f"\n{args.steps} steps, {TOOL_LATENCY_S * 1000:.0f} ms per tool call, {args.model} "
-        f"({args.dtype or 'catalog dtype'}), "
+        f"({args.dtype or 'catalog dtype'}), async with max_steps_off_policy "
+        f"{args.max_steps_off_policy}, groups_in_flight {args.groups_in_flight}, "
         f"load average {os.getloadavg()[0]:.2f}; steps/hour and s/step after the first step"
     )
     print(

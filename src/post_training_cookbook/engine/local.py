@@ -5,11 +5,11 @@ How a request runs
   queues a request and awaits a future, so env and tool coroutines keep running on the
   event loop while the model computes.
 - Continuous batching. Each worker iteration (1) applies a weights update that is due,
-  (2) prefills the waiting requests that fit in ``max_batch_size`` live rows, all in one
-  forward (identical prompts are prefilled once; the n samples of a request copy its row),
-  then (3) runs one decode step over every live row. A request that arrives while others
-  decode joins them at the next step. Requests are admitted in arrival order; one asking
-  for more than ``max_batch_size`` samples runs alone.
+  (2) prefills the waiting requests that fit in ``max_batch_size`` live rows, one forward
+  per group of similar prompt lengths (identical prompts are prefilled once; the n samples
+  of a request copy its row), then (3) runs one decode step over every live row. A request
+  that arrives while others decode joins them at the next step. Requests are admitted in
+  arrival order; one asking for more than ``max_batch_size`` samples runs alone.
 - A sequence ends on a stop token (kept; ``"stop"``), at ``max_tokens`` (``"length"``), or
   when the next token would need a position past the model's ``max_position_embeddings``
   (``"length"``). It leaves the batch at once; the request's future resolves when its last
