@@ -70,7 +70,7 @@ from post_training_cookbook.engine.decoder import (
     inference_copy,
     settle,
 )
-from post_training_cookbook.engine.threads import release_idle_openmp_pool
+from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 
 __all__ = ["EngineStats", "LocalEngine", "WeightsMode"]
@@ -274,12 +274,7 @@ class LocalEngine:
 
     def _serve(self) -> None:
         try:
-            # torch gives a thread its count on the thread's first parallel op, from the process
-            # default: have that happen now, so the default restored later does not override it.
-            torch.get_num_threads()
-            if self._num_threads is not None:
-                torch.set_num_threads(self._num_threads)
-            self._worker_threads = torch.get_num_threads()
+            self._worker_threads = set_own_thread_count(self._num_threads)
         finally:
             self._started.set()  # the constructor waits for this
         with torch.inference_mode():

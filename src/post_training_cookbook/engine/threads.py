@@ -1,4 +1,5 @@
-"""OpenMP pools of threads that hand their compute to another thread.
+"""Intra-op thread counts of worker threads, and the OpenMP pools of threads that hand their
+compute to another thread.
 
 Each thread that runs parallel torch ops keeps its own OpenMP pool (GNU libgomp, which
 Linux torch wheels use), and once the process holds more OpenMP threads than CPUs, libgomp
@@ -15,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+
+import torch
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads go, the runtime's state stays
 
@@ -43,3 +46,15 @@ def release_idle_openmp_pool() -> bool:
     if library is None:
         return False
     return bool(library.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0)
+
+
+def set_own_thread_count(count: int | None) -> int:
+    """On a newly started worker thread: compute with ``count`` intra-op threads (None: the
+    process default) and return the count it got. The caller should then restore the process
+    default, which ``torch.set_num_threads`` also changed for threads started later."""
+    # torch gives a thread its count on the thread's first parallel op, from the process
+    # default: have that happen now, so that a default restored later does not override it.
+    torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    return torch.get_num_threads()

@@ -19,6 +19,7 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
 from post_training_cookbook.service import LocalModelService, ModelService
+from post_training_cookbook.service.local import default_engine_threads
 
 
 @dataclass
@@ -80,7 +81,7 @@ async def _open_service(config: GRPOConfig, info: ModelInfo) -> ModelService:
     if config.is_async:
         # Training and generation run at once: split the cores between them instead of
         # oversubscribing (engine/threads.py). Lockstep alternates, so each takes them all.
-        engine_threads = max(1, torch.get_num_threads() // 2)
+        engine_threads = default_engine_threads()
         trainer_threads = max(1, torch.get_num_threads() - engine_threads)
         threads = {"engine_threads": engine_threads, "trainer_threads": trainer_threads}
     return LocalModelService.create(

@@ -33,7 +33,7 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from post_training_cookbook.engine.local import LocalEngine, WeightsMode
-from post_training_cookbook.engine.threads import release_idle_openmp_pool
+from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_model
@@ -56,6 +56,11 @@ _ENGINE_MODES: dict[WeightSyncType, WeightsMode] = {
     WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH: "drain",
     WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE: "pipeline",
 }
+
+
+def default_engine_threads() -> int:
+    """Each generator's intra-op threads unless told: half of torch's count, at least 1."""
+    return max(1, torch.get_num_threads() // 2)
 
 
 class LocalModelService(ModelService):
@@ -83,7 +88,7 @@ class LocalModelService(ModelService):
         self.trainer = trainer
         weights = load_model(info, torch.float32)
         weights.load_state_dict(trainer.state_dict_for_inference(), strict=False)
-        threads = engine_threads or max(1, torch.get_num_threads() // 2)
+        threads = engine_threads or default_engine_threads()
         self.engines = [
             LocalEngine(
                 weights,
@@ -98,7 +103,7 @@ class LocalModelService(ModelService):
         self._trainer_thread = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="trainer",
-            initializer=_set_own_thread_count,
+            initializer=set_own_thread_count,
             initargs=(trainer_threads,),
         )
         self.trainer_threads = self._trainer_thread.submit(torch.get_num_threads).result()
@@ -243,12 +248,3 @@ class LocalModelService(ModelService):
         return await loop.run_in_executor(
             self._trainer_thread, functools.partial(function, *args, **kwargs)
         )
-
-
-def _set_own_thread_count(count: int | None) -> None:
-    """Runs first on the trainer thread: its intra-op count (None: keep the default)."""
-    # torch gives a thread its count on the thread's first parallel op, from the process
-    # default: have that happen now, so that a default restored later does not override it.
-    torch.get_num_threads()
-    if count is not None:
-        torch.set_num_threads(count)
