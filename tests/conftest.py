@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from test_grpo_common import build_tiny_model
 from transformers import AutoTokenizer
 
@@ -20,6 +21,15 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_tokenizer(tiny_llama_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture
+def torch_threads() -> Iterator[Callable[[int], None]]:
+    """``torch.set_num_threads`` for the test; torch's count is restored after it (CI runs at
+    1 thread, so thread tests raise it to see counts that differ)."""
+    original = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(original)
 
 
 # The scale-out tests' model and Ray cluster (test_scale_*.py), one per module that asks.

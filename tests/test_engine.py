@@ -622,7 +622,9 @@ async def test_close_fails_pending_calls_and_later_ones_with_runtime_error(
         engine.update_weights(model.state_dict(), version=1)
 
 
-def test_num_threads_sets_the_workers_count_only(model: torch.nn.Module) -> None:
+def test_num_threads_sets_the_workers_count_only(
+    model: torch.nn.Module, torch_threads: Callable[[int], None]
+) -> None:
     with pytest.raises(ValueError, match="num_threads"):
         LocalEngine(model, num_threads=0)
     params = SamplingParams(max_tokens=16, seed=3)
@@ -631,20 +633,16 @@ def test_num_threads_sets_the_workers_count_only(model: torch.nn.Module) -> None
         async with engine:
             return await engine.sample(prompt_of(9, 1), 2, params)
 
-    original = torch.get_num_threads()
-    torch.set_num_threads(2)  # so that the worker's 1 differs from the caller's count
-    try:
-        default = LocalEngine(model)
-        single = LocalEngine(model, num_threads=1)
-        # the caller, and threads started later, keep the process's count
-        later: list[int] = []
-        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
-        thread.start()
-        thread.join()
-        caller = torch.get_num_threads()
-        expected, got = asyncio.run(sample(default)), asyncio.run(sample(single))
-    finally:
-        torch.set_num_threads(original)
+    torch_threads(2)  # so that the worker's 1 differs from the caller's count
+    default = LocalEngine(model)
+    single = LocalEngine(model, num_threads=1)
+    # the caller, and threads started later, keep the process's count
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    caller = torch.get_num_threads()
+    expected, got = asyncio.run(sample(default)), asyncio.run(sample(single))
     assert (single.num_threads, default.num_threads, caller, later) == (1, 2, 2, [2])
     assert [s.tokens for s in got] == [s.tokens for s in expected]
     for one, reference in zip(got, expected, strict=True):

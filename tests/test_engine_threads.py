@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -65,17 +66,13 @@ def test_release_is_harmless_without_a_pool() -> None:
 
 
 def test_engine_releases_its_callers_pool_only_when_it_computes_with_more_threads(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, torch_threads: Callable[[int], None]
 ) -> None:
     model = tiny_model()
     calls: list[int] = []
     monkeypatch.setattr(engine_local, "release_idle_openmp_pool", lambda: calls.append(1))
-    original = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        LocalEngine(model, num_threads=1).shutdown()
-        assert calls == []  # a 1-thread worker has no pool: the caller's spins alone
-        LocalEngine(model, num_threads=2).shutdown()
-        assert calls == [1]
-    finally:
-        torch.set_num_threads(original)
+    torch_threads(2)
+    LocalEngine(model, num_threads=1).shutdown()
+    assert calls == []  # a 1-thread worker has no pool: the caller's spins alone
+    LocalEngine(model, num_threads=2).shutdown()
+    assert calls == [1]

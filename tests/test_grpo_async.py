@@ -136,7 +136,7 @@ def test_a_resumed_async_run_trains_no_task_twice(tiny_llama_dir, tmp_path, scri
 
 @pytest.mark.parametrize(("is_async", "expected"), [(False, (2, 1)), (True, (1, 1))])
 def test_async_splits_the_cores_between_trainer_and_engine_lockstep_gives_each_all(
-    tiny_llama_dir, tmp_path, is_async, expected
+    tiny_llama_dir, tmp_path, is_async, expected, torch_threads
 ):
     """On 2 threads: lockstep alternates, so the trainer takes both (the engine keeps its
     default half); async runs both at once, so each gets one instead of oversubscribing."""
@@ -146,8 +146,7 @@ def test_async_splits_the_cores_between_trainer_and_engine_lockstep_gives_each_a
         else quick_config(tiny_llama_dir, tmp_path, use_lora=False)
     )
     info = resolve_model(config.model, codec=config.codec)
-    original = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch_threads(2)
 
     async def open_and_close():
         service = await session_module._open_service(config, info)
@@ -156,9 +155,6 @@ def test_async_splits_the_cores_between_trainer_and_engine_lockstep_gives_each_a
         finally:
             await service.close()
 
-    try:
-        got = asyncio.run(open_and_close())
-        caller = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(original)
+    got = asyncio.run(open_and_close())
+    caller = torch.get_num_threads()
     assert (got, caller) == (expected, 2)

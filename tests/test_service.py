@@ -165,13 +165,11 @@ def test_a_training_checkpoint_resumes_into_a_new_service_with_its_weights(model
     assert set(versions) == {1} and gap <= 1e-4
 
 
-def test_trainer_work_runs_on_one_trainer_thread_and_engines_take_half_the_threads(model_dir):
-    original = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        service = make_service(model_dir, use_lora=False)
-    finally:
-        torch.set_num_threads(original)
+def test_trainer_work_runs_on_one_trainer_thread_and_engines_take_half_the_threads(
+    model_dir, torch_threads
+):
+    torch_threads(4)
+    service = make_service(model_dir, use_lora=False)
     threads: list[str] = []
     trainer = service.trainer
     for name in ("forward", "forward_backward", "optim_step", "state_dict_for_inference"):
@@ -204,31 +202,27 @@ def test_trainer_work_runs_on_one_trainer_thread_and_engines_take_half_the_threa
         LocalModelService(service.info, trainer, trainer_threads=0)
 
 
-def test_trainer_threads_sets_the_trainer_threads_count_only(model_dir):
-    original = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        service = make_service(model_dir, use_lora=False, trainer_threads=1)
-        seen: list[int] = []
-        forward_backward = service.trainer.forward_backward
+def test_trainer_threads_sets_the_trainer_threads_count_only(model_dir, torch_threads):
+    torch_threads(2)
+    service = make_service(model_dir, use_lora=False, trainer_threads=1)
+    seen: list[int] = []
+    forward_backward = service.trainer.forward_backward
 
-        def recorded(*args, **kwargs):
-            seen.append(torch.get_num_threads())
-            return forward_backward(*args, **kwargs)
+    def recorded(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return forward_backward(*args, **kwargs)
 
-        service.trainer.forward_backward = recorded
+    service.trainer.forward_backward = recorded
 
-        async def scenario():
-            try:
-                samples, _ = await sample_episodes(service, seed=8)
-                await service.forward_backward(samples, LossConfig())
-            finally:
-                await service.close()
+    async def scenario():
+        try:
+            samples, _ = await sample_episodes(service, seed=8)
+            await service.forward_backward(samples, LossConfig())
+        finally:
+            await service.close()
 
-        asyncio.run(scenario())
-        caller = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(original)
+    asyncio.run(scenario())
+    caller = torch.get_num_threads()
     assert (service.trainer_threads, seen, caller) == (1, [1], 2)
 
 
