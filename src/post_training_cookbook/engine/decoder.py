@@ -133,7 +133,9 @@ class _Prompt:
 class Decoder:
     """Runs the batch: ``prefill`` new requests, ``decode_step`` every live row, swap weights."""
 
-    def __init__(self, model: Any, prefix_cache_size: int, version: int = 0) -> None:
+    def __init__(
+        self, model: Any, prefix_cache_size: int, version: int = 0, native_kernels: bool = True
+    ) -> None:
         self.model = model
         config = model.config
         self.num_layers: int = config.num_hidden_layers
@@ -143,7 +145,7 @@ class Decoder:
         # logits of the last position only: a prefill need not project every prompt token
         self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
         # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py).
-        self.fused = FusedDecodeStep.for_model(model)
+        self.fused = FusedDecodeStep.for_model(model, native_kernels)
         self.prefix_cache = PrefixCache(prefix_cache_size)
         self.rng = torch.Generator()
         self.rng.seed()  # unseeded requests draw from here
@@ -164,6 +166,8 @@ class Decoder:
         targets = self.model.state_dict()  # views sharing storage with the parameters
         for name, tensor in tensors.items():
             targets[name].copy_(tensor)
+        if self.fused is not None:
+            self.fused.weights_changed()
         self.version = version
         self.prefix_cache.clear()
         for row in self.rows:

@@ -176,6 +176,10 @@ class KVBatch:
         self._buffer(self.keys, layer)[rows, :, cols] = keys
         self._buffer(self.values, layer)[rows, :, cols] = values
 
+    def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole key and value buffers, ``[row_capacity, kv_heads, cols, dim]``."""
+        return self._buffer(self.keys, layer), self._buffer(self.values, layer)
+
     def window(
         self, layer: int, rows: slice, lo: int, hi: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

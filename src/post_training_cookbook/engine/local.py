@@ -92,7 +92,9 @@ class LocalEngine:
     ``dtype`` (e.g. ``torch.bfloat16``) casts the copy, rotary frequencies excepted;
     ``prefix_cache_size`` bounds the prefix cache in entries (0 turns it off); ``version`` is
     the policy version of ``model``'s weights (not 0 when a run resumes); ``num_threads`` sets
-    the worker's intra-op threads (None: torch's count; see Threads above).
+    the worker's intra-op threads (None: torch's count; see Threads above); ``native_kernels``
+    lets decode steps on CPU use the native attention kernel (``engine/native``: built on first
+    use, about 30 s once per machine; without a compiler the engine falls back to torch's ops).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class LocalEngine:
         prefix_cache_size: int = 256,
         version: int = 0,
         num_threads: int | None = None,
+        native_kernels: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -113,7 +116,7 @@ class LocalEngine:
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
         engine_model = inference_copy(model, dtype, torch.device(device))
-        self._decoder = Decoder(engine_model, prefix_cache_size, version)
+        self._decoder = Decoder(engine_model, prefix_cache_size, version, native_kernels)
         self._vocab_size: int = engine_model.get_input_embeddings().num_embeddings
         self._tensors = dict(engine_model.state_dict())  # names, shapes, dtypes, tied storage
         self._max_batch_size = max_batch_size

@@ -1,0 +1,117 @@
+"""Native CPU kernels for the engine's decode step, compiled on first use and cached on disk.
+
+``native_kernels()`` builds ``decode_step.cpp`` with
+``torch.utils.cpp_extension`` the first time a process asks for it (about 30 s on 2 cores,
+needs a C++ compiler and ninja) into torch's extension folder (``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``); later processes on the machine load the built
+library in well under a second. The build is tuned to the CPU it runs on (``-march=native``),
+so the folder name carries a digest of the source, torch's version and the CPU's flags.
+
+When the kernels cannot be built (no compiler, a sandbox without ``/tmp``, an unusual
+platform) it returns None, once logging why, and the engine decodes with torch's ops
+instead: slower, same numbers up to rounding. ``POST_TRAINING_COOKBOOK_NATIVE=0``
+turns the kernels off without trying.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "POST_TRAINING_COOKBOOK_NATIVE"
+_SOURCE = Path(__file__).with_name("decode_step.cpp")
+# -ffast-math lets the compiler vectorise exp and reorder sums; it is a compile flag only, so the
+# library does not link crtfastmath, which would flush denormals for the whole process.
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+class NativeKernels(Protocol):
+    """The built extension; argument layouts are documented in ``decode_step.cpp``."""
+
+    decode_attention: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
+    ]
+    decode_step: Callable[..., torch.Tensor]
+
+
+_lock = threading.Lock()
+_loaded: dict[str, NativeKernels | None] = {}
+
+
+def native_kernels() -> NativeKernels | None:
+    """The built kernels, or None when they are off or could not be built here."""
+    with _lock:
+        if "kernels" not in _loaded:
+            _loaded["kernels"] = _build()
+        return _loaded["kernels"]
+
+
+def _build() -> NativeKernels | None:
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        logger.info("native kernels off (%s=0): decode steps use torch's ops", DISABLE_ENV)
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        _put_ninja_on_path()
+        source = _SOURCE.read_bytes()
+        digest = hashlib.sha256(
+            source + torch.__version__.encode() + " ".join(_FLAGS).encode() + _cpu_id().encode()
+        ).hexdigest()[:12]
+        name = f"post_training_cookbook_decode_{digest}"
+        built = Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
+        if not built.exists():  # a pause of half a minute deserves a word
+            print(
+                "post_training_cookbook: building the native decode kernels for this machine "
+                "(once, ~30 s)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        module: NativeKernels = cpp_extension.load(
+            name=name,
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as error:  # any failure to build means: fall back to torch's ops
+        logger.warning(
+            "native decode kernels unavailable (%s: %s); decoding with torch's ops, "
+            "which is slower on CPU",
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        return None
+    return module
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; a venv's pip-installed ninja is not there unless the
+    venv is activated."""
+    if shutil.which("ninja") is not None:
+        return
+    import ninja  # the ``ninja`` dependency
+
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+
+
+def _cpu_id() -> str:
+    """The CPU's model and instruction-set flags: a build for one CPU may not run on another."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    lines = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))

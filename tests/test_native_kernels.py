@@ -1,0 +1,210 @@
+"""The native decode kernels (engine/native) against torch: attention, the whole decode step
+(Llama, Qwen2 with biases, Qwen3 with head norms), weight updates, and the fallbacks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+
+import pytest
+import torch
+import transformers
+
+from post_training_cookbook.engine import native
+from post_training_cookbook.engine.decoder import Decoder, Request, inference_copy
+from post_training_cookbook.engine.native import NativeKernels, native_kernels
+from post_training_cookbook.engine.types import SamplingParams
+
+VOCAB = 256
+
+
+@pytest.fixture(scope="module")
+def kernels() -> NativeKernels:
+    if os.environ.get(native.DISABLE_ENV) == "0":
+        pytest.skip(f"native kernels turned off ({native.DISABLE_ENV}=0)")
+    built = native_kernels()
+    assert built is not None, "the native kernels did not build here: see the logged warning"
+    return built
+
+
+def reference_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    lo: int,
+    hi: int,
+    scale: float,
+) -> torch.Tensor:
+    """float64 attention of query row r over columns [lo, hi) of buffer row r where valid."""
+    rows = query.shape[0]
+    k, v = keys[:rows, :, lo:hi].double(), values[:rows, :, lo:hi].double()
+    scores = torch.einsum("rhgd,rhsd->rhgs", query.double(), k) * scale
+    scores = scores.masked_fill(~valid[:rows, lo:hi][:, None, None, :], float("-inf"))
+    return torch.einsum("rhgs,rhsd->rhgd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("dim", "group"), [(64, 2), (128, 1), (16, 4), (64, 7)])
+def test_decode_attention_matches_a_float64_reference(
+    kernels: NativeKernels, dtype: torch.dtype, dim: int, group: int
+) -> None:
+    torch.manual_seed(0)
+    rows, kv_heads, lo, hi = 5, 2, 3, 30
+    # Buffers with spare rows and columns, as the engine's are; holes inside rows; row 1 starts
+    # well right of the window's left edge (a short prompt).
+    keys = torch.randn(8, kv_heads, 40, dim).to(dtype)
+    values = torch.randn(8, kv_heads, 40, dim).to(dtype)
+    valid = torch.rand(8, 40) < 0.7
+    valid[1, :20] = False
+    valid[:, hi - 1] = True  # the decode column
+    query = torch.randn(rows, kv_heads, group, dim).to(dtype)
+    scale = dim**-0.5
+    out = kernels.decode_attention(query, keys, values, valid, lo, hi, scale)
+    expected = reference_attention(query, keys, values, valid, lo, hi, scale)
+    assert out.dtype == dtype and out.shape == query.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    assert (out.double() - expected).abs().max().item() <= tolerance
+
+
+def test_decode_attention_rejects_mismatched_inputs_with_a_message(kernels: NativeKernels) -> None:
+    keys = torch.zeros(2, 2, 8, 16)
+    valid = torch.ones(2, 8, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.decode_attention(
+            torch.zeros(2, 2, 1, 16, dtype=torch.bfloat16), keys, keys, valid, 0, 8, 0.25
+        )
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.decode_attention(torch.zeros(2, 2, 1, 16), keys, keys, valid, 0, 9, 0.25)
+
+
+def family_model(kind: str, hidden_act: str = "silu") -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    shape = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "hidden_act": hidden_act,
+    }  # fmt: skip
+    if kind == "llama":  # the bundled model's architecture
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    if kind == "qwen2":  # biases on q, k and v
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
+    config = transformers.Qwen3Config(**shape, head_dim=32)  # per-head q/k norms
+    return transformers.Qwen3ForCausalLM(config).eval()
+
+
+def prefilled_decoder(model: torch.nn.Module, dtype: torch.dtype, decode_steps: int) -> Decoder:
+    """A decoder with rows of different prompt lengths, some tokens decoded already."""
+    decoder = Decoder(inference_copy(model, dtype, torch.device("cpu")), prefix_cache_size=0)
+    loop = asyncio.new_event_loop()
+    rng = random.Random(0)
+    requests = [
+        Request(rng.choices(range(VOCAB), k=length), 1, SamplingParams(max_tokens=64, seed=i),
+                loop, loop.create_future())
+        for i, length in enumerate([5, 31, 12, 18])
+    ]  # fmt: skip
+    with torch.inference_mode():
+        decoder.prefill(requests)
+        for _ in range(decode_steps):
+            decoder.decode_step()
+    loop.close()
+    return decoder
+
+
+def next_logits(decoder: Decoder, native_step: bool, native_attention: bool) -> torch.Tensor:
+    """Logits of the next decode step without taking it (the step writes the same KV again)."""
+    fused = decoder.fused
+    assert fused is not None
+    batch = decoder.batch
+    rows = slice(0, batch.rows)
+    saved = fused.kernels, fused.native_weights
+    fused.kernels = saved[0] if native_attention else None
+    fused.native_weights = saved[1] if native_step else None
+    try:
+        with torch.inference_mode():
+            batch.reserve(0, 0)
+            batch.valid[rows, batch.cols] = True
+            lo = batch.first_col(rows)
+            logits = fused.step(batch, rows, lo, batch.next_tokens[rows], batch.positions[rows])
+            batch.valid[rows, batch.cols] = False
+            return logits
+    finally:
+        fused.kernels, fused.native_weights = saved
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_step_computes_the_python_steps_logits(
+    kernels: NativeKernels, kind: str, dtype: torch.dtype
+) -> None:
+    decoder = prefilled_decoder(family_model(kind), dtype, decode_steps=7)
+    assert decoder.fused is not None and decoder.fused.native_weights is not None
+    native_logits = next_logits(decoder, native_step=True, native_attention=True)
+    python_logits = next_logits(decoder, native_step=False, native_attention=False)
+    # bf16: the kernel keeps attention scores in float32 where torch's bf16 matmul rounds them
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (native_logits - python_logits).abs().max().item() <= tolerance
+
+
+def test_matmul_weights_are_packed_and_repacked_after_a_weights_update(
+    kernels: NativeKernels,
+) -> None:
+    model = family_model("qwen2")
+    decoder = prefilled_decoder(model, torch.float32, decode_steps=3)
+    fused = decoder.fused
+    assert fused is not None and fused.native_weights is not None
+    if torch.backends.mkldnn.is_available():
+        assert any(weight.is_mkldnn for weight in fused.native_weights)
+    torch.manual_seed(1)
+    updated = {name: torch.randn_like(t) * 0.1 for name, t in model.state_dict().items()}
+    before = next_logits(decoder, native_step=True, native_attention=True)
+    with torch.inference_mode():
+        decoder.apply_weights(updated, version=1)
+    after = next_logits(decoder, native_step=True, native_attention=True)
+    reference = next_logits(decoder, native_step=False, native_attention=False)
+    assert (after - before).abs().max().item() > 0.1  # the update reached the step
+    assert (after - reference).abs().max().item() <= 1e-5  # and nothing stale remained
+
+
+def test_a_non_standard_activation_keeps_the_modules_code_with_native_attention(
+    kernels: NativeKernels,
+) -> None:
+    decoder = prefilled_decoder(family_model("llama", hidden_act="gelu"), torch.float32, 5)
+    fused = decoder.fused
+    assert fused is not None and fused.kernels is not None and fused.native_weights is None
+    with_kernel = next_logits(decoder, native_step=False, native_attention=True)
+    plain = next_logits(decoder, native_step=False, native_attention=False)
+    assert (with_kernel - plain).abs().max().item() <= 1e-5
+
+
+def test_loading_the_kernels_leaves_denormals_alone(kernels: NativeKernels) -> None:
+    # a library linked with -ffast-math would set flush-to-zero for the whole process
+    assert (torch.tensor([1e-40]) * 2).item() != 0.0
+
+
+def test_turning_the_kernels_off_decodes_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    assert native_kernels() is None
+    decoder = prefilled_decoder(family_model("llama"), torch.float32, decode_steps=2)
+    assert decoder.fused is not None and decoder.fused.kernels is None
+    assert decoder.fused.native_weights is None
+
+
+def test_a_failed_build_warns_once_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    import pathlib
+
+    broken = pathlib.Path(str(tmp_path)) / "decode_step.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_SOURCE", broken)
+    monkeypatch.delenv(native.DISABLE_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger=native.__name__):
+        assert native_kernels() is None
+        assert native_kernels() is None  # remembered: no second attempt, no second warning
+    warnings = [r for r in caplog.records if "native decode kernels unavailable" in r.message]
+    assert len(warnings) == 1
