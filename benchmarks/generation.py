@@ -8,6 +8,8 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
     python benchmarks/generation.py --model random-qwen2              # random ~2.9M Qwen2
     python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
 
+LocalEngine decodes with its native CPU kernels (``engine/native``, built on first use);
+``--torch-ops-row`` adds a row with them off, for the comparison in one run.
 ``--model`` takes a catalog id (default: the bundled 4.5M Llama,
 ``post-training-cookbook/tool-use-tiny``), a local Hugging Face folder, or ``random-qwen2``
 (a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers).
@@ -38,6 +40,7 @@ import torch
 import transformers
 
 from post_training_cookbook.engine import LocalEngine, SamplingParams
+from post_training_cookbook.engine.native import native_kernels
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.models.loading import load_model
 
@@ -115,10 +118,12 @@ def time_local_engine(
     new: int,
     repeats: int,
     threads: int | None,
+    native: bool = True,
 ) -> float:
     engine = LocalEngine(
-        model, dtype=dtype, max_batch_size=len(prompts), prefix_cache_size=0, num_threads=threads
-    )
+        model, dtype=dtype, max_batch_size=len(prompts), prefix_cache_size=0,
+        num_threads=threads, native_kernels=native,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=new)
 
     async def generate() -> None:
@@ -171,6 +176,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument(
+        "--torch-ops-row",
+        action="store_true",
+        help="also time LocalEngine with its native kernels off (native_kernels=False)",
+    )
+    parser.add_argument(
         "--engine-threads", type=int, default=None, help="LocalEngine's intra-op threads"
     )
     args = parser.parse_args()
@@ -185,6 +195,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}, "
           f"LocalEngine threads {args.engine_threads or torch.get_num_threads()}, "
           f"load average before {os.getloadavg()[0]:.2f}")  # fmt: skip
+    kernels = "built" if native_kernels() is not None else "unavailable (torch ops)"
+    print(f"LocalEngine native decode kernels: {kernels}")
 
     rows: list[Row] = []
     for name in args.dtypes:
@@ -202,6 +214,11 @@ def main() -> None:
             base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads
         )
         rows.append(Row("LocalEngine", name, seconds, tokens))
+        if args.torch_ops_row:
+            seconds = time_local_engine(
+                base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads, False
+            )
+            rows.append(Row("  torch ops", name, seconds, tokens))
         if not args.no_vllm:
             result = time_vllm(base, name, prompts, args.new_tokens, args.repeats)
             if isinstance(result, str):

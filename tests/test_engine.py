@@ -174,17 +174,19 @@ async def test_the_fused_decode_step_serves_llama_and_qwen3_exactly(kind: str) -
     assert mean_abs_logprob_error(family_model, prompts, results) <= 1e-5
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "torch-ops"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_decode_step_and_the_models_forward_sample_alike(
-    model: torch.nn.Module, dtype: torch.dtype
+    model: torch.nn.Module, dtype: torch.dtype, native: bool
 ) -> None:
-    """Same seeded requests through the fused decode step and through the model's own forward
-    (the path of architectures the fused step does not cover)."""
+    """Same seeded requests through the fused decode step (its native kernels or torch ops)
+    and through the model's own forward (the path of architectures it does not cover)."""
     loop = asyncio.new_event_loop()
     prompts = [prompt_of(length, seed) for seed, length in enumerate([6, 33, 18])]
 
     def run(fused: bool) -> list[SampledSequence]:
-        decoder = Decoder(inference_copy(model, dtype, torch.device("cpu")), prefix_cache_size=0)
+        copy = inference_copy(model, dtype, torch.device("cpu"))
+        decoder = Decoder(copy, prefix_cache_size=0, native_kernels=native)
         if not fused:
             decoder.fused = None
         return [seqs[0] for seqs in decode_to_the_end(decoder, loop, prompts, max_tokens=10)]
