@@ -7,6 +7,8 @@ import asyncio
 import logging
 import os
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -78,6 +80,34 @@ def test_decode_attention_rejects_mismatched_inputs_with_a_message(kernels: Nati
         )
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.decode_attention(torch.zeros(2, 2, 1, 16), keys, keys, valid, 0, 9, 0.25)
+
+
+def test_a_kernel_call_lets_other_python_threads_run(kernels: NativeKernels) -> None:
+    """The engine's worker calls the kernels while the event loop runs envs and tools: a call
+    must release the GIL, or every decode step stalls them."""
+    torch.manual_seed(0)
+    keys = torch.randn(32, 4, 4096, 128)
+    valid = torch.ones(32, 4096, dtype=torch.bool)
+    query = torch.randn(32, 4, 4, 128)
+    started = threading.Event()
+    kernel_seconds: list[float] = []
+
+    def work() -> None:
+        started.set()
+        begin = time.perf_counter()
+        for _ in range(3):
+            kernels.decode_attention(query, keys, keys, valid, 0, 4096, 0.1)
+        kernel_seconds.append(time.perf_counter() - begin)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    started.wait()
+    begin = time.perf_counter()
+    time.sleep(0.005)  # returning from here needs the GIL
+    slept = time.perf_counter() - begin
+    thread.join()
+    assert kernel_seconds[0] > 0.1  # long enough for a held GIL to show
+    assert slept < kernel_seconds[0] / 3
 
 
 def family_model(kind: str, hidden_act: str = "silu") -> transformers.PreTrainedModel:

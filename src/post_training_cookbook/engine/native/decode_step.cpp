@@ -338,7 +338,11 @@ at::Tensor decode_step(const at::Tensor& input_ids, const at::Tensor& cos, const
                              values, valid, col, lo, heads, eps, scale);
 }
 
+// Both release the GIL: a step takes milliseconds, and the engine's worker thread calls it
+// while the event loop's env and tool coroutines want to run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "Decode attention over KV buffers (CPU)");
-  m.def("decode_step", &decode_step, "A Llama-family decode step over KV buffers (CPU)");
+  m.def("decode_attention", &decode_attention, "Decode attention over KV buffers (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_step", &decode_step, "A Llama-family decode step over KV buffers (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }
