@@ -9,6 +9,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import transformers
 from post_training_cookbook.engine import native
 from post_training_cookbook.engine.decoder import Decoder, Request, inference_copy
 from post_training_cookbook.engine.native import NativeKernels, native_kernels
+from post_training_cookbook.engine.threads import set_own_thread_count
 from post_training_cookbook.engine.types import SamplingParams
 
 VOCAB = 256
@@ -108,6 +110,33 @@ def test_a_kernel_call_lets_other_python_threads_run(kernels: NativeKernels) -> 
     thread.join()
     assert kernel_seconds[0] > 0.1  # long enough for a held GIL to show
     assert slept < kernel_seconds[0] / 3
+
+
+def test_a_kernel_call_keeps_the_calling_threads_own_thread_count(
+    kernels: NativeKernels, torch_threads: Callable[[int], None]
+) -> None:
+    """The engine's worker computes with its own count (1 beside a trainer on 2 cores) while
+    the process default is restored to 2, as LocalEngine does; a kernel call must not reset
+    the worker to the default, or its threads spin beside the trainer's."""
+    keys = torch.randn(4, 2, 32, 16)
+    valid = torch.ones(4, 32, dtype=torch.bool)
+    own_count_set, default_restored = threading.Event(), threading.Event()
+    counts: list[int] = []
+
+    def worker() -> None:
+        set_own_thread_count(1)
+        own_count_set.set()
+        default_restored.wait()
+        kernels.decode_attention(torch.randn(4, 2, 2, 16), keys, keys, valid, 0, 32, 0.25)
+        counts.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    own_count_set.wait()
+    torch_threads(2)
+    default_restored.set()
+    thread.join()
+    assert counts == [1]
 
 
 def family_model(kind: str, hidden_act: str = "silu") -> transformers.PreTrainedModel:

@@ -10,7 +10,7 @@
 // rounds them to bf16 first). Built on first use by post_training_cookbook.engine.native.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cfloat>
@@ -51,10 +51,19 @@ void attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
   const int64_t k_row = keys.stride(0), k_head = keys.stride(1), k_col = keys.stride(2);
   const int64_t v_row = values.stride(0), v_head = values.stride(1), v_col = values.stride(2);
   const int64_t visible_row = valid.stride(0);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // Not at::parallel_for: its header-inline first-call setup keeps a thread_local flag of
+  // this library's own, so on the engine's worker thread it would run torch's
+  // init_num_threads() again and reset the worker's count to the process default (measured:
+  // a 1-thread engine then computed with 2 and slowed the trainer beside it by ~30%).
+  // omp_get_max_threads() is the calling thread's own count.
+  const int64_t units = rows * kv_heads;
+  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), units));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
     std::vector<float> queries(group * dim), scores(group * width), acc(group * dim), row(dim),
         mask(width);
-    for (int64_t unit = begin; unit < end; ++unit) {
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t r = unit / kv_heads, h = unit % kv_heads;
       const T* unit_query = q + unit * group * dim;
       for (int64_t i = 0; i < group * dim; ++i) queries[i] = to_float(unit_query[i]) * scale;
@@ -106,7 +115,7 @@ void attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
       T* unit_out = o + unit * group * dim;
       for (int64_t i = 0; i < group * dim; ++i) unit_out[i] = static_cast<T>(acc[i]);
     }
-  });
+  }
 }
 
 template <typename T>
