@@ -57,7 +57,8 @@ void attend(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& v
   // a 1-thread engine then computed with 2 and slowed the trainer beside it by ~30%).
   // omp_get_max_threads() is the calling thread's own count.
   const int64_t units = rows * kv_heads;
-  const int threads = static_cast<int>(std::min<int64_t>(omp_get_max_threads(), units));
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), units)));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> queries(group * dim), scores(group * width), acc(group * dim), row(dim),
@@ -287,7 +288,8 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
   TORCH_CHECK(keys.size(0) >= query.size(0) && keys.size(1) == query.size(1) &&
                   keys.size(3) == query.size(3),
               "keys do not match the query's rows, KV heads or head size");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1, "keys and values need a unit stride in dim");
+  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1,
+              "keys and values need a unit stride in dim");
   TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 2 && valid.stride(1) == 1 &&
                   valid.size(0) >= query.size(0),
               "valid must be a bool [rows, cols] tensor with unit column stride");
@@ -318,7 +320,8 @@ at::Tensor decode_step(const at::Tensor& input_ids, const at::Tensor& cos, const
   TORCH_CHECK(!keys.empty() && keys.size() == values.size() &&
                   weights.size() == keys.size() * kSlots,
               "decode_step needs ", static_cast<int64_t>(kSlots), " weights per layer");
-  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong, "input_ids: [rows] int64");
+  TORCH_CHECK(input_ids.dim() == 1 && input_ids.scalar_type() == at::kLong,
+              "input_ids: [rows] int64");
   const int64_t rows = input_ids.size(0), dim = keys[0].size(3);
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == rows &&
                   cos.size(1) == dim && cos.sizes() == sin.sizes(),
