@@ -146,14 +146,18 @@ async def test_bf16_engine_logprobs_stay_within_a_measured_bound_of_fp32(
     assert mean_abs_logprob_error(model, prompts, results) <= 5e-3
 
 
-def tiny_llama_family(kind: str) -> transformers.PreTrainedModel:
+def tiny_llama_family(kind: str, hidden_act: str = "silu") -> transformers.PreTrainedModel:
+    """A tiny random model of the fused decode step's families (also test_native_kernels)."""
     torch.manual_seed(0)
     shape = {
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "hidden_act": hidden_act,
     }  # fmt: skip
     if kind == "llama":  # the bundled model's architecture
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
+    if kind == "qwen2":  # biases on q, k and v
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
     config = transformers.Qwen3Config(**shape, head_dim=16)  # per-head q/k norms
     return transformers.Qwen3ForCausalLM(config).eval()
 

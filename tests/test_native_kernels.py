@@ -10,18 +10,17 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from test_engine import VOCAB, tiny_llama_family
 
 from post_training_cookbook.engine import native
 from post_training_cookbook.engine.decoder import Decoder, Request, inference_copy
 from post_training_cookbook.engine.native import NativeKernels, native_kernels
 from post_training_cookbook.engine.threads import set_own_thread_count
 from post_training_cookbook.engine.types import SamplingParams
-
-VOCAB = 256
 
 
 @pytest.fixture(scope="module")
@@ -139,21 +138,6 @@ def test_a_kernel_call_keeps_the_calling_threads_own_thread_count(
     assert counts == [1]
 
 
-def family_model(kind: str, hidden_act: str = "silu") -> transformers.PreTrainedModel:
-    torch.manual_seed(0)
-    shape = {
-        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "hidden_act": hidden_act,
-    }  # fmt: skip
-    if kind == "llama":  # the bundled model's architecture
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape)).eval()
-    if kind == "qwen2":  # biases on q, k and v
-        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**shape)).eval()
-    config = transformers.Qwen3Config(**shape, head_dim=32)  # per-head q/k norms
-    return transformers.Qwen3ForCausalLM(config).eval()
-
-
 def prefilled_decoder(model: torch.nn.Module, dtype: torch.dtype, decode_steps: int) -> Decoder:
     """A decoder with rows of different prompt lengths, some tokens decoded already."""
     decoder = Decoder(inference_copy(model, dtype, torch.device("cpu")), prefix_cache_size=0)
@@ -198,7 +182,7 @@ def next_logits(decoder: Decoder, native_step: bool, native_attention: bool) -> 
 def test_the_native_step_computes_the_python_steps_logits(
     kernels: NativeKernels, kind: str, dtype: torch.dtype
 ) -> None:
-    decoder = prefilled_decoder(family_model(kind), dtype, decode_steps=7)
+    decoder = prefilled_decoder(tiny_llama_family(kind), dtype, decode_steps=7)
     assert decoder.fused is not None and decoder.fused.native_weights is not None
     native_logits = next_logits(decoder, native_step=True, native_attention=True)
     python_logits = next_logits(decoder, native_step=False, native_attention=False)
@@ -210,7 +194,7 @@ def test_the_native_step_computes_the_python_steps_logits(
 def test_matmul_weights_are_packed_and_repacked_after_a_weights_update(
     kernels: NativeKernels,
 ) -> None:
-    model = family_model("qwen2")
+    model = tiny_llama_family("qwen2")
     decoder = prefilled_decoder(model, torch.float32, decode_steps=3)
     fused = decoder.fused
     assert fused is not None and fused.native_weights is not None
@@ -230,7 +214,7 @@ def test_matmul_weights_are_packed_and_repacked_after_a_weights_update(
 def test_a_non_standard_activation_keeps_the_modules_code_with_native_attention(
     kernels: NativeKernels,
 ) -> None:
-    decoder = prefilled_decoder(family_model("llama", hidden_act="gelu"), torch.float32, 5)
+    decoder = prefilled_decoder(tiny_llama_family("llama", hidden_act="gelu"), torch.float32, 5)
     fused = decoder.fused
     assert fused is not None and fused.kernels is not None and fused.native_weights is None
     with_kernel = next_logits(decoder, native_step=False, native_attention=True)
@@ -247,17 +231,15 @@ def test_turning_the_kernels_off_decodes_with_torch(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert native_kernels() is None
-    decoder = prefilled_decoder(family_model("llama"), torch.float32, decode_steps=2)
+    decoder = prefilled_decoder(tiny_llama_family("llama"), torch.float32, decode_steps=2)
     assert decoder.fused is not None and decoder.fused.kernels is None
     assert decoder.fused.native_weights is None
 
 
 def test_a_failed_build_warns_once_and_falls_back(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import pathlib
-
-    broken = pathlib.Path(str(tmp_path)) / "decode_step.cpp"
+    broken = tmp_path / "decode_step.cpp"
     broken.write_text("#error this source does not compile\n")
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_SOURCE", broken)
