@@ -23,13 +23,19 @@ from dataclasses import dataclass
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.engine.vllm import VLLM_ENV_DEFAULTS
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_VAL_TASKS, ToolUseGameEnv
-from post_training_cookbook.groups import EpisodeRunner, Group, play_groups
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
-from post_training_cookbook.rollout import EpisodeLimits, derive_seed
+from post_training_cookbook.rollout import (
+    EpisodeLimits,
+    EpisodeRunner,
+    Group,
+    derive_seed,
+    play_groups,
+)
 from post_training_cookbook.service.ray import RayModelService
 from post_training_cookbook.service.ray_env import init_local_ray
+from post_training_cookbook.service.types import TrainerSettings
 
 BENCH_ENV = {**VLLM_ENV_DEFAULTS, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """vLLM's loopback-only, in-process defaults, and no hub access; Ray's workers inherit it."""
@@ -67,8 +73,8 @@ def parse_args() -> argparse.Namespace:
 async def measure(info: ModelInfo, engine: str, replicas: int, args: argparse.Namespace) -> Row:
     started = time.perf_counter()
     service = await RayModelService.create(
-        info, use_lora=False, num_generator_replicas=replicas, generation_engine=engine,
-        engine_dtype=args.dtype, max_model_len=info.max_context, seed=0,
+        info, TrainerSettings(use_lora=False, seed=0), num_generator_replicas=replicas,
+        generation_engine=engine, engine_dtype=args.dtype, max_model_len=info.max_context,
     )  # fmt: skip
     startup = time.perf_counter() - started
     try:

@@ -27,10 +27,9 @@ from post_training_cookbook.evaluation import (
 )
 from post_training_cookbook.evaluation.models import load_eval_weights
 from post_training_cookbook.evaluation.results import default_ks, summarize
-from post_training_cookbook.groups import Group
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.models import BUNDLED_MODEL_ID
-from post_training_cookbook.rollout import Episode, TruncationCause
+from post_training_cookbook.rollout import Episode, Group, TruncationCause
 
 
 def variety_eval(model, runs_dir, episodes_per_task=4, **options):

@@ -25,9 +25,10 @@ from test_grpo_common import (
     train_dump,
 )
 
-from post_training_cookbook.grpo import session as session_module
+from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import resolve_model
+from post_training_cookbook.service import open_service
 
 ASYNC_KEYS = (
     "async/train_wait_s",
@@ -145,11 +146,11 @@ def test_async_splits_the_cores_between_trainer_and_engine_lockstep_gives_each_a
         if is_async
         else quick_config(tiny_llama_dir, tmp_path, use_lora=False)
     )
-    info = resolve_model(config.model, codec=config.codec)
+    spec = RunSettings.from_config(config, resolve_model(config.model, codec=config.codec)).service
     torch_threads(2)
 
     async def open_and_close():
-        service = await session_module._open_service(config, info)
+        service = await open_service(spec)
         try:
             return service.trainer_threads, service.engines[0].num_threads
         finally:

@@ -5,8 +5,7 @@ import asyncio
 from collections import Counter
 
 from post_training_cookbook.envs import Task
-from post_training_cookbook.groups import Group
-from post_training_cookbook.grpo.async_train import (
+from post_training_cookbook.grpo.async_loop import (
     PositionLedger,
     RolloutWorkers,
     StampedGroup,
@@ -14,7 +13,9 @@ from post_training_cookbook.grpo.async_train import (
     admit_groups,
 )
 from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.rollout import Episode
+from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+from post_training_cookbook.rollout import Episode, Group
 
 
 def episode(reward: float) -> Episode:
@@ -33,10 +34,20 @@ class QueueOnly(RolloutWorkers):
         self.ready = []
         self.playing = Counter()
         self._workers = []
-        self.gate = StartGate(config())
+        self.gate = start_gate(config())
         self.gate.outstanding = len(stamped)
         for item in stamped:
             self.queue.put_nowait(item)
+
+
+def admit_groups_of(workers, ledger, config: GRPOConfig, trainer_version: int):
+    """``admit_groups`` with the step settings a run of ``config`` would have."""
+    steps = RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).steps
+    return admit_groups(workers, ledger, steps, config.max_steps_off_policy, trainer_version)
+
+
+def start_gate(config: GRPOConfig, trainer_version: int = 0) -> StartGate:
+    return StartGate(config.batch_size, config.max_steps_off_policy, trainer_version)
 
 
 def config(**overrides) -> GRPOConfig:
@@ -59,10 +70,10 @@ def test_a_group_older_than_max_steps_off_policy_is_dropped_and_counted_as_stale
     ledger = PositionLedger()
 
     async def admit():
-        return await admit_groups(QueueOnly(stamped), ledger, config(max_sampling_attempts=2), 5)
+        return await admit_groups_of(QueueOnly(stamped), ledger, config(max_sampling_attempts=2), 5)
 
     admission = asyncio.run(admit())
-    metrics = admission.metrics(config())
+    metrics = admission.metrics()
     assert admission.dropped_stale == 1
     assert [s.position for s in admission.admitted] == [1, 2, 3]
     assert metrics["async/dropped_stale_groups"] == 1.0
@@ -88,7 +99,7 @@ def test_a_group_on_its_last_chance_is_waited_for_instead_of_overtaken():
                 await workers.queue.put(last_chance)
 
             finishing = asyncio.create_task(finish())
-        admission = await admit_groups(workers, PositionLedger(), config(batch_size=1), 5)
+        admission = await admit_groups_of(workers, PositionLedger(), config(batch_size=1), 5)
         if still_playing:
             await finishing
         return admission, workers.ready
@@ -108,7 +119,7 @@ def test_max_steps_off_policy_zero_admits_only_groups_of_the_current_policy():
     ]
 
     async def admit():
-        return await admit_groups(
+        return await admit_groups_of(
             QueueOnly(stamped), PositionLedger(), config(max_steps_off_policy=0), 7
         )
 
@@ -120,7 +131,7 @@ def test_the_dynamic_sampling_budget_bounds_how_many_fresh_groups_a_step_admits(
     stamped = [StampedGroup(group([1.0, 1.0]), position=i, start_version=0) for i in range(5)]
 
     async def admit():
-        return await admit_groups(QueueOnly(stamped), PositionLedger(), config(), 0)
+        return await admit_groups_of(QueueOnly(stamped), PositionLedger(), config(), 0)
 
     admission = asyncio.run(admit())
     assert len(admission.admitted) == 2  # max_sampling_attempts (1) x batch_size (2)
@@ -141,7 +152,7 @@ def test_the_ledger_hands_out_every_position_not_done_exactly_once_after_a_resum
 
 
 def test_the_start_gate_lets_a_group_start_only_if_a_step_can_still_admit_it():
-    gate = StartGate(config(batch_size=4, max_steps_off_policy=1))
+    gate = start_gate(config(batch_size=4, max_steps_off_policy=1))
     gate.admitting(trainer_version=5, still_needed=3)  # step at version 5 needs 3 more
     assert gate.room(start_version=5) == 3 + 4  # this step's 3 and the next step's 4
     assert gate.room(start_version=4) == 3  # only this step can still admit it
@@ -150,15 +161,15 @@ def test_the_start_gate_lets_a_group_start_only_if_a_step_can_still_admit_it():
     assert gate.room(start_version=5) == 1
     gate.admitting(trainer_version=6, still_needed=4)  # training: the next step fills
     assert gate.room(start_version=5) == 4 - 6  # full: wait for an admission
-    resumed = StartGate(config(batch_size=4, max_steps_off_policy=1), trainer_version=10)
+    resumed = start_gate(config(batch_size=4, max_steps_off_policy=1), trainer_version=10)
     assert resumed.room(start_version=10) == 4 + 4  # not 11 steps' worth: it starts at 10
-    zero = StartGate(config(batch_size=2, max_steps_off_policy=0))
+    zero = start_gate(config(batch_size=2, max_steps_off_policy=0))
     zero.admitting(trainer_version=2, still_needed=2)
     assert zero.room(start_version=2) == 2 and zero.room(start_version=1) == 0
 
 
 def test_a_worker_blocked_by_the_gate_starts_once_an_admission_takes_a_group():
-    gate = StartGate(config(batch_size=1, max_steps_off_policy=0))
+    gate = start_gate(config(batch_size=1, max_steps_off_policy=0))
     gate.admitting(trainer_version=0, still_needed=1)
 
     async def scenario():

@@ -12,14 +12,12 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 
-from post_training_cookbook.grpo import config as config_module
 from post_training_cookbook.grpo.config import GRPOConfig, WeightSyncType
 from post_training_cookbook.models import BUNDLED_MODEL_ID
-from post_training_cookbook.service.types import LossConfig
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "grpo_config.md"
 FIELD_NAMES = [f.name for f in dataclasses.fields(GRPOConfig)]
@@ -355,67 +353,7 @@ def test_yaml_that_is_not_a_mapping_of_fields_raises(tmp_path: Path, text: str) 
         GRPOConfig.from_yaml(path)
 
 
-# Derived values
-
-
-def test_a_constant_schedule_warms_up_linearly_then_holds() -> None:
-    config = GRPOConfig(learning_rate=1e-4, warmup_steps=4, num_steps=10)
-    rates = [config.learning_rate_at(step) for step in range(10)]
-    assert rates[:4] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4])
-    assert rates[4:] == pytest.approx([1e-4] * 6)
-
-
-def test_a_linear_schedule_decays_towards_zero_at_num_steps() -> None:
-    config = GRPOConfig(learning_rate=1.0, warmup_steps=2, num_steps=12, lr_schedule="linear")
-    assert config.learning_rate_at(1) == pytest.approx(1.0)
-    assert config.learning_rate_at(2) == pytest.approx(1.0)
-    assert config.learning_rate_at(7) == pytest.approx(0.5)
-    assert config.learning_rate_at(11) == pytest.approx(0.1)
-    assert config.learning_rate_at(12) == pytest.approx(0.0)
-
-
-def test_a_cosine_schedule_halves_midway_and_stays_at_zero_past_the_end() -> None:
-    config = GRPOConfig(learning_rate=1.0, num_steps=10, lr_schedule="cosine")
-    assert config.learning_rate_at(0) == pytest.approx(1.0)
-    assert config.learning_rate_at(5) == pytest.approx(0.5)
-    assert config.learning_rate_at(10) == pytest.approx(0.0)
-    assert config.learning_rate_at(50) == pytest.approx(0.0)
-    rates = [config.learning_rate_at(step) for step in range(10)]
-    assert rates == sorted(rates, reverse=True)
-
-
-def test_a_negative_step_has_no_learning_rate() -> None:
-    with pytest.raises(ValueError, match="step"):
-        GRPOConfig().learning_rate_at(-1)
-
-
-def test_loss_config_carries_the_loss_fields() -> None:
-    config = GRPOConfig(
-        loss_type="dr_grpo",
-        clip_low=0.1,
-        clip_high=0.28,
-        kl_beta=0.05,
-        tis_cap=3.0,
-        dr_grpo_horizon=1536,
-    )
-    assert config.loss_config() == LossConfig(
-        loss_type="dr_grpo",
-        clip_low=0.1,
-        clip_high=0.28,
-        kl_beta=0.05,
-        tis_cap=3.0,
-        dr_grpo_horizon=1536,
-    )
-
-
-def test_the_overlong_penalty_ramps_over_the_buffer_before_max_model_length() -> None:
-    config = GRPOConfig(max_model_length=1000, overlong_buffer_length=200)
-    assert config.overlong_penalty(800) == 0.0
-    assert config.overlong_penalty(900) == pytest.approx(-0.5)
-    assert config.overlong_penalty(1000) == pytest.approx(-1.0)
-    assert config.overlong_penalty(5000) == pytest.approx(-1.0)
-    assert GRPOConfig(overlong_buffer_length=0).overlong_penalty(10_000) == 0.0
-    assert GRPOConfig(overlong_penalty_factor=0.0).overlong_penalty(10_000) == 0.0
+# The run name
 
 
 def test_an_unnamed_run_is_named_after_the_model_and_the_utc_time() -> None:
@@ -440,37 +378,6 @@ def test_the_loop_fixes_the_run_name_once_and_then_has_a_run_dir() -> None:
     assert config.run_name is None
 
 
-def test_episode_limits_and_sampling_params_carry_the_config() -> None:
-    from post_training_cookbook.rollout import EnvErrorPolicy
-
-    assert get_args(config_module.EnvErrors) == get_args(EnvErrorPolicy)
-    config = GRPOConfig(
-        max_turns=3,
-        max_model_length=1024,
-        max_tokens_per_turn=128,
-        failed_parse_reward=-1.0,
-        env_step_timeout_s=None,
-        env_errors="truncate",
-        temperature=0.8,
-        val_temperature=0.0,
-        top_p=0.9,
-    )
-    limits = config.episode_limits()
-    assert (limits.max_turns, limits.max_model_length, limits.max_tokens_per_turn) == (
-        3,
-        1024,
-        128,
-    )
-    assert (limits.failed_parse_reward, limits.env_step_timeout_s, limits.env_errors) == (
-        -1.0,
-        None,
-        "truncate",
-    )
-    train, val = config.sampling_params(), config.sampling_params(validation=True)
-    assert (train.max_tokens, train.temperature, train.top_p) == (128, 0.8, 0.9)
-    assert (val.max_tokens, val.temperature, val.top_p) == (128, 0.0, 0.9)
-
-
 @functools.cache
 def modules_imported_by_the_config() -> list[str]:
     """Heavy modules loaded by a fresh interpreter that builds a config without W&B."""
@@ -490,11 +397,6 @@ def test_a_config_without_wandb_imports_nothing_of_wandb() -> None:
     assert "wandb" not in modules_imported_by_the_config()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service/__init__.py imports Trainer and LocalModelService (torch) eagerly, so "
-    "service.types drags torch in; drop this marker once that package imports lazily",
-)
 def test_importing_the_config_does_not_import_torch() -> None:
     assert modules_imported_by_the_config() == []
 

@@ -1,6 +1,6 @@
 """Bad input to ``train_multi_turn`` fails with a clear ``ValueError`` before any model loads.
 
-Every loader (the session, the catalog's loaders, transformers' ``from_pretrained``) is
+Every loader (the service factory, the catalog's loaders, transformers' ``from_pretrained``) is
 replaced by one that fails the test, so a check that ran after loading would show up as an
 ``AssertionError`` instead of the expected ``ValueError``.
 """
@@ -13,8 +13,8 @@ import pytest
 import transformers
 from test_grpo_common import Closes, mode_envs, mode_tasks, quick_config
 
+from post_training_cookbook.grpo import train as train_module
 from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.grpo.session import Session
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import loading
 
@@ -26,7 +26,7 @@ def no_loading(monkeypatch):
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a model or tokenizer was loaded before the input was checked")
 
-    monkeypatch.setattr(Session, "open", fail)
+    monkeypatch.setattr(train_module, "open_service", fail)
     monkeypatch.setattr(loading, "load_model", fail)
     monkeypatch.setattr(loading, "load_tokenizer", fail)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
@@ -74,15 +74,6 @@ def test_max_model_length_above_the_models_context_fails_before_loading(
     with pytest.raises(ValueError, match=r"max_model_length=4096 exceeds .* 2048"):
         train(quick_config(tiny_llama_dir, tmp_path, max_model_length=4096))
     assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.parametrize("val_tasks", [None, []])
-def test_validation_without_val_tasks_fails_before_loading(
-    tiny_llama_dir, tmp_path, no_loading, val_tasks
-):
-    config = quick_config(tiny_llama_dir, tmp_path, validation_interval=5)
-    with pytest.raises(ValueError, match="validation_interval > 0 needs val_tasks"):
-        train(config, val_tasks=val_tasks)
 
 
 @pytest.mark.parametrize(

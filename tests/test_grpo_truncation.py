@@ -26,15 +26,17 @@ from test_grpo_common import (
 )
 
 from post_training_cookbook.envs import Task
-from post_training_cookbook.groups import Group
-from post_training_cookbook.grpo.advantages import build_training_batch, shaped_reward
+from post_training_cookbook.grpo.advantages import AdvantageSettings, build_training_batch
 from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.lockstep import rollout_metrics
+from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.grpo.train import train_multi_turn
-from post_training_cookbook.rollout import Episode, TruncationCause
+from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+from post_training_cookbook.rollout import Episode, Group, TruncationCause, episode_metrics
 
 TASK = Task(prompt="q", target="1")
 # The penalty ramps from 0 at 80 tokens to -1 at 100: penalty(n) = -(n - 80) / 20.
-SCORING = GRPOConfig(
+SCORING_CONFIG = GRPOConfig(
     max_model_length=100,
     max_tokens_per_turn=50,
     overlong_buffer_length=20,
@@ -42,6 +44,14 @@ SCORING = GRPOConfig(
     advantage_normalization="mean",
     wandb_project=None,
 )
+
+
+def advantage_settings(config: GRPOConfig) -> AdvantageSettings:
+    """The advantage settings a run of ``config`` hands the GRPO math."""
+    return RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).steps.advantages
+
+
+SCORING = advantage_settings(SCORING_CONFIG)
 
 
 def episode(num_tokens: int, reward: float, cause: TruncationCause | None) -> Episode:
@@ -73,7 +83,9 @@ def episode(num_tokens: int, reward: float, cause: TruncationCause | None) -> Ep
 def test_only_context_overflow_and_max_turns_get_the_soft_overlong_penalty(
     num_tokens, reward, cause, shaped
 ):
-    assert shaped_reward(episode(num_tokens, reward, cause), SCORING) == pytest.approx(shaped)
+    assert SCORING.shaping.shaped_reward(episode(num_tokens, reward, cause)) == pytest.approx(
+        shaped
+    )
 
 
 def mixed_group() -> Group:
@@ -98,15 +110,15 @@ def test_advantages_are_shaped_rewards_minus_the_group_mean_on_sampled_tokens_on
 
 
 def test_mean_std_normalization_divides_by_the_groups_std():
-    config = GRPOConfig(**{**SCORING.to_dict(), "advantage_normalization": "mean_std"})
-    batch = build_training_batch([mixed_group()], config)
+    config = GRPOConfig(**{**SCORING_CONFIG.to_dict(), "advantage_normalization": "mean_std"})
+    batch = build_training_batch([mixed_group()], advantage_settings(config))
     std = math.sqrt((0.5625**2 + 0.0625**2 + 0.1875**2 + 0.4375**2) / 4)
     assert sample_advantage(batch.samples[0]) == pytest.approx(0.5625 / std)
 
 
 def test_overlong_masking_drops_truncated_episodes_but_keeps_their_rewards_in_the_baseline():
-    config = GRPOConfig(**{**SCORING.to_dict(), "overlong_masking": True})
-    batch = build_training_batch([mixed_group()], config)
+    config = GRPOConfig(**{**SCORING_CONFIG.to_dict(), "overlong_masking": True})
+    batch = build_training_batch([mixed_group()], advantage_settings(config))
     assert len(batch.samples) == 1 and batch.masked_episodes == 3
     # 1 - 0.4375: the truncated episodes' rewards are still in the mean
     assert sample_advantage(batch.samples[0]) == pytest.approx(0.5625)
@@ -125,6 +137,19 @@ def test_the_overlong_penalty_alone_makes_a_group_informative():
     group = Group(TASK, [episode(10, 0.0, None), episode(90, 0.0, TruncationCause.MAX_TURNS)])
     batch = build_training_batch([group], SCORING)
     assert [sample_advantage(s) for s in batch.samples] == pytest.approx([0.25, -0.25])
+
+
+def test_reward_variance_is_judged_on_shaped_rewards_by_the_skip_and_the_metric_alike():
+    # raw rewards are equal (no raw variance), shaped rewards differ: the group is trained,
+    # and the step's reward_variance_share counts it, as the skip does
+    informative = Group(TASK, [episode(10, 0.0, None), episode(90, 0.0, TruncationCause.MAX_TURNS)])
+    flat = Group(TASK, [episode(10, 0.0, None), episode(90, 0.0, TruncationCause.ENV)])
+    batch = build_training_batch([informative, flat], SCORING)
+    metrics = rollout_metrics([informative, flat], SCORING.shaping)
+    assert (batch.num_groups, batch.zero_variance_groups) == (1, 1)
+    assert metrics["rollout/reward_variance_share"] == 0.5
+    # on raw rewards neither group varies: the metric would have disagreed with the skip
+    assert episode_metrics([informative, flat])["rollout/reward_variance_share"] == 0.0
 
 
 # ---------------------------------------------------------------- through the loop

@@ -50,7 +50,12 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import ModelInfo, resolve_model
 from post_training_cookbook.models.loading import load_codec
-from post_training_cookbook.service import LocalModelService, LossConfig, TrainingSample
+from post_training_cookbook.service import (
+    LocalModelService,
+    LossConfig,
+    TrainerSettings,
+    TrainingSample,
+)
 from post_training_cookbook.types import Message
 
 pytestmark = pytest.mark.heavy
@@ -275,9 +280,10 @@ def test_engine_and_trainer_logprobs_agree_before_and_after_a_lora_step_and_the_
     codec = load_codec(info)
 
     async def scenario() -> tuple[float, float, float, list[TrainingSample], list[list[float]]]:
-        service = LocalModelService.create(
-            info, use_lora=True, seed=0, autocast_bf16=False, lora_rank=8, lora_alpha=16
+        trainer = TrainerSettings(
+            use_lora=True, seed=0, autocast_bf16=False, lora_rank=8, lora_alpha=16
         )
+        service = LocalModelService.create(info, trainer)
         try:
             samples = await _sample_batch(service, codec, seed=1)
             before = _mean_abs_gap(samples, await service.forward(samples))

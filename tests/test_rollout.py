@@ -13,6 +13,7 @@ from post_training_cookbook.envs.tool_use_game.teacher import tool_call
 from post_training_cookbook.rollout import (
     EnvStepError,
     EpisodeLimits,
+    EpisodeRunner,
     TruncationCause,
     run_episode,
 )
@@ -63,7 +64,11 @@ def play(replies, env_class=CountingEnv, task=None, **limit_overrides):
     task = task or next(t for t in TOOL_USE_GAME_TASKS if t.metadata["level"] == 1)
     sampler = ScriptedSampler(replies)
     episode = asyncio.run(
-        run_episode(task, lambda _: env_class(), sampler, CODEC, PARAMS, limits(**limit_overrides))
+        run_episode(
+            task,
+            EpisodeRunner(lambda _: env_class(), sampler, CODEC, limits(**limit_overrides)),
+            PARAMS,
+        )
     )
     return episode, sampler
 
@@ -212,11 +217,8 @@ def test_a_cancelled_episode_still_closes_its_env():
         task = asyncio.ensure_future(
             run_episode(
                 TOOL_USE_GAME_TASKS[0],
-                lambda _: CountingEnv(),
-                SlowSampler([]),
-                CODEC,
+                EpisodeRunner(lambda _: CountingEnv(), SlowSampler([]), CODEC, limits()),
                 PARAMS,
-                limits(),
             )
         )
         await asyncio.sleep(0.05)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.models.catalog import resolve_model
 from post_training_cookbook.service.ray import RayModelService
-from post_training_cookbook.service.types import LossConfig, TrainingSample
+from post_training_cookbook.service.types import LossConfig, TrainerSettings, TrainingSample
 
 pytestmark = scale
 PROBE = list(range(3, 60))
@@ -22,11 +22,11 @@ PROBE = list(range(3, 60))
 
 def create(model: Path, **options: Any) -> RayModelService:
     settings: dict[str, Any] = {
-        "use_lora": True, "lora_rank": 8, "num_generator_replicas": 1, "engine_dtype": "float32",
-        "max_model_len": 1024, "autocast_bf16": False, "seed": 0,
+        "num_generator_replicas": 1, "engine_dtype": "float32", "max_model_len": 1024,
     }  # fmt: skip
+    trainer = TrainerSettings(use_lora=True, lora_rank=8, autocast_bf16=False, seed=0)
     info = resolve_model(str(model), codec="hermes")
-    return asyncio.run(RayModelService.create(info, **(settings | options)))
+    return asyncio.run(RayModelService.create(info, trainer, **(settings | options)))
 
 
 def scored(tokens: list[int]) -> TrainingSample:

@@ -2,10 +2,10 @@
 loop's own step functions (lockstep and async PIPELINE), every replica matches the trainer
 after each sync, and failures (a dead replica, a sync past its timeout) raise, never hang.
 
-The loops are the library's own (``run_lockstep_steps``, ``run_async_steps``) on a ``Session``
-holding the Ray service, as ``Session.open`` would build it with ``backend="ray"``. The model is
-random, so rewards vary only through parse failures (``failed_parse_reward=-1``): enough for
-informative groups, hence optimizer steps and weight syncs.
+The loops are the library's own (``run_lockstep``, ``run_async``) on a run opened by
+``open_run`` with the Ray service in place of the one it would build with ``backend="ray"``.
+The model is random, so rewards vary only through parse failures (``failed_parse_reward=-1``):
+enough for informative groups, hence optimizer steps and weight syncs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +29,12 @@ from test_scale_common import (
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
-from post_training_cookbook.groups import EpisodeRunner
-from post_training_cookbook.grpo.async_train import run_async_steps
-from post_training_cookbook.grpo.collect import collect_groups
+from post_training_cookbook.grpo.async_loop import run_async
 from post_training_cookbook.grpo.config import GRPOConfig, WeightSyncType
 from post_training_cookbook.grpo.data import TaskStream
-from post_training_cookbook.grpo.reporting import ConsoleProgress, WandbLogger
-from post_training_cookbook.grpo.runs import RunDirectory
-from post_training_cookbook.grpo.session import Session
-from post_training_cookbook.grpo.steps import RunContext
-from post_training_cookbook.grpo.train import run_lockstep_steps
+from post_training_cookbook.grpo.lockstep import CollectedGroups, collect_groups, run_lockstep
+from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.grpo.train import open_run
 from post_training_cookbook.models.catalog import resolve_model
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
 from post_training_cookbook.service.ray import (
@@ -47,7 +42,7 @@ from post_training_cookbook.service.ray import (
     WeightSyncTimeoutError,
     WorkerDiedError,
 )
-from post_training_cookbook.service.types import LossConfig, TrainingSample
+from post_training_cookbook.service.types import LossConfig, TrainerSettings, TrainingSample
 
 pytestmark = scale
 TASKS = list(TOOL_USE_GAME_TASKS[:64])
@@ -84,13 +79,16 @@ class ProbedService(RayModelService):
         return version
 
 
-def create_service(model: Path, **options: Any) -> ProbedService:
+def create_service(
+    model: Path, engine_dtype: str = "float32", autocast_bf16: bool | None = False
+) -> ProbedService:
     info = resolve_model(str(model), codec="hermes")
-    settings: dict[str, Any] = {
-        "use_lora": False, "num_generator_replicas": 2, "generation_engine": "vllm",
-        "engine_dtype": "float32", "max_model_len": 1024, "autocast_bf16": False, "seed": 0,
-    }  # fmt: skip
-    service = asyncio.run(ProbedService.create(info, **(settings | options)))
+    trainer = TrainerSettings(use_lora=False, autocast_bf16=autocast_bf16, seed=0)
+    created = ProbedService.create(
+        info, trainer, num_generator_replicas=2, generation_engine="vllm",
+        engine_dtype=engine_dtype, max_model_len=1024,
+    )  # fmt: skip
+    service = asyncio.run(created)
     assert isinstance(service, ProbedService)
     service.gaps = []
     return service
@@ -104,35 +102,37 @@ async def probe_gaps(service: RayModelService, probe: list[int]) -> list[float]:
     return [max_abs_diff(scores, trainer, ones) for scores in replicas]
 
 
-def open_session(service: ProbedService, config: GRPOConfig) -> Session:
-    """``Session.open`` with the Ray service in place of the local one."""
+def set_probe(service: ProbedService, config: GRPOConfig) -> None:
+    """The probe: the game's opening prompt, rendered by the run's codec."""
     info = resolve_model(config.model, codec=config.codec)
     codec = load_codec(info, load_tokenizer(info))
-    env_factory = lambda task: ToolUseGameEnv(max_turns=config.max_turns)  # noqa: E731
-    runner = EpisodeRunner(env_factory, service, codec, config.episode_limits())
-    stops = codec.stop_token_ids
     opening = [
         {"role": "system", "content": "Answer with the tools."},
         {"role": "user", "content": TASKS[0].prompt},
     ]
     service.probe = codec.render_prompt(opening, ToolUseGameEnv().tool_specs)  # type: ignore[arg-type]
-    return Session(
-        service=service, codec=codec, runner=runner,
-        train_params=replace(config.sampling_params(), stop_token_ids=stops),
-        val_params=replace(config.sampling_params(validation=True), stop_token_ids=stops),
-    )  # fmt: skip
 
 
-async def run_loop(session: Session, config: GRPOConfig) -> list[dict[str, Any]]:
+def run_on(service: ProbedService, config: GRPOConfig) -> Any:
+    """``open_run`` for ``config`` on ``service`` (the Ray service built here)."""
+    set_probe(service, config)
+    settings = RunSettings.from_config(config, resolve_model(config.model, codec=config.codec))
+    env_factory = lambda task: ToolUseGameEnv(max_turns=config.max_turns)  # noqa: E731
+    return open_run(config, settings, env_factory, service=service)
+
+
+async def run_loop(service: ProbedService, config: GRPOConfig) -> list[dict[str, Any]]:
     """The loop ``train_multi_turn`` picks for ``config``, from step 0; metrics per step."""
-    run = RunDirectory(config.run_dir())
-    run.create(config)
-    wandb = WandbLogger(config, str(run.path), resume=False)
-    with ConsoleProgress(config.num_steps, 0, config.run_name or "") as progress:
-        ctx = RunContext(session, config, run, wandb, progress, time.perf_counter())
-        steps = run_async_steps if config.is_async else run_lockstep_steps
-        await steps(ctx, TASKS, [], 0, None)
-    return [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
+    async with run_on(service, config) as run:
+        loop = run_async if run.settings.async_ is not None else run_lockstep
+        await loop(run, TASKS, [])
+    return [json.loads(line) for line in run.directory.metrics_path.read_text().splitlines()]
+
+
+async def collect_once(service: ProbedService, config: GRPOConfig) -> CollectedGroups:
+    async with run_on(service, config) as run:
+        stream = TaskStream(TASKS, 1)
+        return await collect_groups(run.episodes, stream, run.settings.steps, run.train_params)
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +147,9 @@ def test_tool_use_game_trains_three_lockstep_steps_and_every_replica_matches_the
     fp32_service: ProbedService, scale_model: Path, tmp_path: Path
 ) -> None:
     config = game_config(scale_model, tmp_path)
-    session = open_session(fp32_service, config)
+    set_probe(fp32_service, config)
     before = asyncio.run(probe_gaps(fp32_service, fp32_service.probe))
-    metrics = asyncio.run(run_loop(session, config))
+    metrics = asyncio.run(run_loop(fp32_service, config))
     print("probe |replica - trainer| before and after each sync:", before, fp32_service.gaps)
     assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0]  # each step trained
     assert [m["policy/applied_version"] for m in metrics] == [1.0, 2.0, 3.0]
@@ -165,10 +165,7 @@ def test_sampler_logprobs_of_a_batch_match_the_trainers_after_a_sync(
     fp32_service: ProbedService, scale_model: Path, tmp_path: Path
 ) -> None:
     config = game_config(scale_model, tmp_path, max_sampling_attempts=1)
-    session = open_session(fp32_service, config)
-    collection = asyncio.run(
-        collect_groups(session.runner, TaskStream(TASKS, 1), config, session.train_params)
-    )
+    collection = asyncio.run(collect_once(fp32_service, config))
     episodes = [e for g in collection.groups for e in g.episodes if any(e.mask)]
     samples = [TrainingSample(e.tokens, e.mask, e.sampler_logprobs, e.mask) for e in episodes]
     trainer = asyncio.run(fp32_service.forward(samples))
@@ -223,11 +220,10 @@ def test_a_replica_killed_mid_step_is_reported_by_name(
 ) -> None:
     """Runs last on this service: it kills replica 1 while the loop collects a step."""
     config = game_config(scale_model, tmp_path, max_tokens_per_turn=400, max_sampling_attempts=1)
-    session = open_session(fp32_service, config)
     pid = fp32_service.workers[2]["pid"]
 
     async def kill_during_the_loop() -> None:
-        loop = asyncio.ensure_future(run_loop(session, config))
+        loop = asyncio.ensure_future(run_loop(fp32_service, config))
         while fp32_service.in_flight[1] == 0:
             await asyncio.sleep(0.01)
         os.kill(pid, signal.SIGKILL)
@@ -254,8 +250,7 @@ def test_tool_use_game_trains_three_async_pipeline_steps_and_replicas_follow(
         scale_model, tmp_path, max_steps_off_policy=1,
         weight_sync_type=WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE,
     )  # fmt: skip
-    session = open_session(bf16_service, config)
-    metrics = asyncio.run(run_loop(session, config))
+    metrics = asyncio.run(run_loop(bf16_service, config))
     print("probe |replica - trainer| after each sync:", bf16_service.gaps)
     print("mixed-version token share:", [m["async/off_first_version_token_share"] for m in metrics])
     assert [m["policy/version"] for m in metrics] == [1.0, 2.0, 3.0]

@@ -13,6 +13,7 @@ from post_training_cookbook.models import resolve_model
 from post_training_cookbook.service import (
     LocalModelService,
     LossConfig,
+    TrainerSettings,
     TrainingSample,
     WeightSyncType,
 )
@@ -38,15 +39,11 @@ def model_dir(tmp_path_factory):
 
 def make_service(model_dir, *, use_lora, replicas=1, trainer_threads=None):
     info = resolve_model(str(model_dir), codec="hermes")
+    trainer = TrainerSettings(
+        use_lora=use_lora, seed=0, autocast_bf16=False, lora_rank=4, lora_alpha=8
+    )
     return LocalModelService.create(
-        info,
-        use_lora=use_lora,
-        num_generator_replicas=replicas,
-        trainer_threads=trainer_threads,
-        seed=0,
-        autocast_bf16=False,
-        lora_rank=4,
-        lora_alpha=8,
+        info, trainer, num_generator_replicas=replicas, trainer_threads=trainer_threads
     )
 
 

@@ -65,7 +65,6 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 
@@ -77,11 +76,15 @@ from post_training_cookbook.engine.decoder import (
     settle,
 )
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
-from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.engine.types import (
+    SampledSequence,
+    SamplingParams,
+    WeightsMode,
+    due_update,
+)
 
-__all__ = ["EngineStats", "LocalEngine", "WeightsMode"]
+__all__ = ["EngineStats", "LocalEngine"]
 
-WeightsMode = Literal["pipeline", "drain"]
 _CLOSED = "LocalEngine is closed"
 
 
@@ -305,11 +308,8 @@ class LocalEngine:
         with self._cv:
             while not self._closed:
                 live = bool(self._decoder.rows)
-                update = None
-                if self._update is not None and (self._update.mode == "pipeline" or not live):
-                    update, self._update = self._update, None
-                draining = self._update is not None  # a drain update holds new requests back
-                requests = [] if draining else self._admit()
+                update, self._update = due_update(self._update, live)
+                requests = [] if self._update is not None else self._admit()
                 if update is not None or requests or live:
                     return update, requests
                 self._cv.wait()

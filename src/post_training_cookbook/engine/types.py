@@ -11,7 +11,7 @@ else it should use ``raw_logprobs``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 
 @dataclass(frozen=True)
@@ -57,3 +57,26 @@ class SampledSequence:
     # log p of each token under the plain softmax of the logits (temperature 1, no top-k/top-p)
     # of the weights that sampled it; empty when the engine does not report it.
     raw_logprobs: list[float] = field(default_factory=list)
+
+
+WeightsMode = Literal["pipeline", "drain"]
+"""How an engine applies new weights. ``"pipeline"``: between two decode steps; sequences in
+flight go on under the new weights. ``"drain"``: once the sequences in flight have finished
+under the old ones; new requests wait until then."""
+
+
+class _WeightsUpdate(Protocol):
+    @property
+    def mode(self) -> WeightsMode: ...
+
+
+Update = TypeVar("Update", bound=_WeightsUpdate)
+
+
+def due_update(pending: Update | None, live: bool) -> tuple[Update | None, Update | None]:
+    """Split an engine's pending weights update into (the one to apply now, the one still
+    pending), given whether sequences are live. While a drain update is still pending, the
+    engine admits no new request, so that the sequences in flight can finish."""
+    if pending is not None and (pending.mode == "pipeline" or not live):
+        return pending, None
+    return None, pending

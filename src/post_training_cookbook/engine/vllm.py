@@ -48,12 +48,16 @@ from typing import Any
 import torch
 
 from post_training_cookbook.engine.decoder import settle
-from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.engine.types import (
+    SampledSequence,
+    SamplingParams,
+    WeightsMode,
+    due_update,
+)
 from post_training_cookbook.engine.vllm_records import (
     LiveSequence,
     PendingCall,
     VLLMEngineStats,
-    WeightsMode,
     WeightsUpdate,
     lora_rank_slot,
     on_cpu,
@@ -63,7 +67,7 @@ from post_training_cookbook.engine.vllm_records import (
     torch_dtype,
 )
 
-__all__ = ["VLLM_ENV_DEFAULTS", "VLLMEngine", "VLLMEngineStats", "WeightsMode"]
+__all__ = ["VLLM_ENV_DEFAULTS", "VLLMEngine", "VLLMEngineStats"]
 
 _CLOSED = "VLLMEngine is closed"
 
@@ -315,16 +319,13 @@ class VLLMEngine:
         """Wait for something to do: a due update, calls to add, aborts, or live requests."""
         with self._cv:
             while not self._closed:
-                live = bool(self._live)
-                update = None
-                if self._update is not None and (self._update.mode == "pipeline" or not live):
-                    update, self._update = self._update, None
-                draining = self._update is not None  # a drain update holds new calls back
+                update, self._update = due_update(self._update, live=bool(self._live))
+                draining = self._update is not None
                 calls = [] if draining else [c for c in self._waiting if not c.cancelled]
                 if not draining:
                     self._waiting.clear()
                 aborts, self._aborts = self._aborts, []
-                if update is not None or calls or live or aborts:
+                if update is not None or calls or self._live or aborts:
                     return update, calls, aborts
                 self._cv.wait()
             return None

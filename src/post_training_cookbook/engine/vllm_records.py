@@ -10,9 +10,12 @@ from typing import Any, Literal
 import torch
 
 from post_training_cookbook.engine.decoder import settle
-from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
-
-WeightsMode = Literal["pipeline", "drain"]
+from post_training_cookbook.engine.types import (
+    PolicySegment,
+    SampledSequence,
+    SamplingParams,
+    WeightsMode,
+)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """What an evaluation found: ``EvalResult``, pass@k, and the tables that print it.
 
 Every number comes from the same groups of episodes the training loop plays, summarised by
-``groups.episode_metrics`` under ``eval/``: ``eval/reward_mean`` means what
+``rollout.episode_metrics`` under ``eval/``: ``eval/reward_mean`` means what
 ``rollout/reward_mean`` and ``val/reward_mean`` mean in a run's metrics. Evaluation adds:
 
 - pass@k: an episode passes when its reward is at least ``success_threshold``; per task,
@@ -21,8 +21,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from post_training_cookbook.groups import Group, episode_metrics
-from post_training_cookbook.rollout import EnvErrorPolicy, TruncationCause
+from post_training_cookbook.rollout import (
+    ENV_ERROR_POLICIES,
+    EnvErrorPolicy,
+    Group,
+    TruncationCause,
+    episode_metrics,
+)
 
 if TYPE_CHECKING:
     from post_training_cookbook.grpo.config import GRPOConfig
@@ -56,8 +61,10 @@ class EvalSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.env_errors not in ("raise", "truncate"):
-            raise ValueError(f"env_errors must be 'raise' or 'truncate', got {self.env_errors!r}")
+        if self.env_errors not in ENV_ERROR_POLICIES:
+            raise ValueError(
+                f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
+            )
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> EvalSettings:

@@ -2,7 +2,7 @@
 
 The episodes are played exactly as training validation plays them: the model's codec
 renders the prompt with the env's tools, the ``LocalEngine`` samples each turn within the
-token budget (``max_model_length``, ``max_tokens_per_turn``), and ``groups.play_group``
+token budget (``max_model_length``, ``max_tokens_per_turn``), and ``rollout.play_group``
 runs one group of ``episodes_per_task`` episodes per task. So with the same settings,
 ``eval/reward_mean`` of a baseline, of a trained model and ``val/reward_mean`` of the run
 compare. (The hosted cookbook's baseline scripts skip the codec and the token budget, and
@@ -40,9 +40,16 @@ from post_training_cookbook.evaluation.results import (
     summarize,
     termination_shares,
 )
-from post_training_cookbook.groups import EpisodeRunner, Group, play_group
-from post_training_cookbook.models.catalog import require_generator_support
-from post_training_cookbook.rollout import EnvErrorPolicy, Episode
+from post_training_cookbook.models.catalog import check_model_can_sample
+from post_training_cookbook.rollout import (
+    EnvErrorPolicy,
+    EpisodeLimits,
+    EpisodeRunner,
+    Group,
+    check_episode_inputs,
+    episode_record,
+    play_group,
+)
 from post_training_cookbook.sync import run_sync
 
 EnvFactory = Callable[[Task], Env]
@@ -164,20 +171,10 @@ def _checked(
     label: str,
 ) -> list[int]:
     """Every check that needs no weights; returns the k of pass@k."""
-    if not tasks:
-        raise ValueError("tasks is empty: pass at least one Task to evaluate on")
-    if not all(isinstance(task, Task) for task in tasks):
-        raise ValueError("tasks must hold post_training_cookbook.envs.Task objects")
-    if not callable(env_factory):
-        raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
+    check_episode_inputs(tasks, env_factory, purpose="evaluate")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", label):
         raise ValueError(f"label must be a folder name (letters, digits, . _ -), got {label!r}")
-    require_generator_support(model.info)
-    if settings.max_model_length > model.info.max_context:
-        raise ValueError(
-            f"max_model_length={settings.max_model_length} exceeds {model.info.model_id}'s "
-            f"context of {model.info.max_context} tokens"
-        )
+    check_model_can_sample(model.info, settings.max_model_length)
     ks = sorted(set(pass_k)) if pass_k else default_ks(settings.episodes_per_task)
     if not all(1 <= k <= settings.episodes_per_task for k in ks):
         raise ValueError(
@@ -201,7 +198,6 @@ async def _play(
     from post_training_cookbook.engine.local import LocalEngine
     from post_training_cookbook.engine.types import SamplingParams
     from post_training_cookbook.models.loading import load_codec
-    from post_training_cookbook.rollout import EpisodeLimits
 
     codec = load_codec(model.tokenizer_info)
     engine_dtype = getattr(torch, dtype or model.dtype)
@@ -225,41 +221,23 @@ async def _play(
     )
     bar = tqdm(total=len(tasks), desc=f"eval {model.name}", unit="task", disable=not progress)
 
-    async def one(task: Task) -> Group:
+    async def play_task(task: Task) -> Group:
         group = await play_group(runner, task, settings.episodes_per_task, params)
         bar.update(1)
         return group
 
     try:
-        return list(await asyncio.gather(*(one(task) for task in tasks)))
+        return list(await asyncio.gather(*(play_task(task) for task in tasks)))
     finally:
         bar.close()
         await engine.close()
 
 
 def _episode_records(groups: Sequence[Group]) -> Iterator[dict[str, Any]]:
-    """The fields of a run's rollout dumps (``grpo/runs.py``), so one viewer reads both."""
+    """The lines of a run's rollout dumps, so one viewer reads both."""
     for index, group in enumerate(groups):
         for number, episode in enumerate(group.episodes):
-            yield {"step": None, "group": index, "episode": number, **_episode_fields(episode)}
-
-
-def _episode_fields(episode: Episode) -> dict[str, Any]:
-    task = episode.task
-    return {
-        "task": {"prompt": task.prompt, "target": task.target, "metadata": task.metadata},
-        "messages": episode.messages,
-        "reward": episode.reward,
-        "truncation": episode.truncation.value if episode.truncation else None,
-        "num_turns": episode.num_turns,
-        "num_tokens": len(episode.tokens),
-        "num_sampled_tokens": int(sum(episode.mask)),
-        "length_capped_turns": episode.length_capped_turns,
-        "metrics": episode.metrics,
-        "env_error": episode.env_error,
-        "token_ids": episode.tokens,
-        "mask": [int(bit) for bit in episode.mask],
-    }
+            yield {"step": None, "group": index, "episode": number, **episode_record(episode)}
 
 
 def _new_folder(runs_dir: Path, prefix: str) -> Path:

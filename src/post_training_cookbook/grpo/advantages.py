@@ -1,12 +1,13 @@
-"""From groups of episodes to training samples: shaped rewards, group-relative advantages,
-and the samples the trainer gets.
+"""The GRPO math, as pure functions over small frozen settings: shaped rewards, which groups
+are informative, group-relative advantages, and the training samples the trainer gets.
 
-- Reward shaping: DAPO's soft overlong penalty (``GRPOConfig.overlong_penalty``, computed on
-  the episode's total tokens) is added only to episodes the loop truncated for
-  ``CONTEXT_OVERFLOW`` or ``MAX_TURNS``.
+- Reward shaping: DAPO's soft overlong penalty (computed on the episode's total tokens) is
+  added only to episodes the loop truncated for ``CONTEXT_OVERFLOW`` or ``MAX_TURNS``.
+- A group is informative when its shaped rewards differ (``rollout.has_reward_variance``):
+  only then are its advantages not all zero. Other groups are skipped and counted, not
+  trained on with zero advantages; ``reward_variance_share`` uses the same rule.
 - Advantage = shaped reward − group mean, divided by the group's std under
-  ``advantage_normalization="mean_std"``. Groups whose rewards are all equal carry no
-  gradient: they are skipped (and counted) rather than trained on with zero advantages.
+  ``normalization="mean_std"``.
 - ``overlong_masking``: truncated episodes of any cause give no sample, but their rewards
   stay in the group baseline.
 - Every sampled token of an episode gets the episode's advantage; forced tokens get 0.
@@ -17,23 +18,57 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from post_training_cookbook.groups import Group
-from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.rollout import Episode, TruncationCause
+from post_training_cookbook.rollout import Episode, Group, TruncationCause, has_reward_variance
 from post_training_cookbook.service.types import TrainingSample
 
+AdvantageNormalization = Literal["mean", "mean_std"]
 PENALISED_CAUSES = (TruncationCause.CONTEXT_OVERFLOW, TruncationCause.MAX_TURNS)
 _STD_FLOOR = 1e-6
 
 
-def shaped_reward(episode: Episode, config: GRPOConfig) -> float:
-    if episode.truncation in PENALISED_CAUSES:
-        return episode.reward + config.overlong_penalty(len(episode.tokens))
-    return episode.reward
+@dataclass(frozen=True)
+class RewardShaping:
+    """DAPO's soft overlong penalty: 0 up to ``max_model_length - buffer_length`` tokens,
+    then falling linearly to ``-penalty_factor`` at ``max_model_length``."""
+
+    max_model_length: int
+    buffer_length: int = 0
+    """0 turns the penalty off."""
+    penalty_factor: float = 1.0
+
+    def overlong_penalty(self, num_tokens: int) -> float:
+        """The penalty (<= 0) for an episode of ``num_tokens`` tokens."""
+        if self.buffer_length == 0:
+            return 0.0
+        start = self.max_model_length - self.buffer_length
+        excess = min(max(num_tokens - start, 0), self.buffer_length)
+        return -self.penalty_factor * excess / self.buffer_length
+
+    def shaped_reward(self, episode: Episode) -> float:
+        """The reward GRPO compares within a group: the env's, plus the overlong penalty for
+        an episode the loop cut for context or turns."""
+        if episode.truncation in PENALISED_CAUSES:
+            return episode.reward + self.overlong_penalty(len(episode.tokens))
+        return episode.reward
 
 
-def group_advantages(rewards: Sequence[float], normalization: str) -> list[float]:
+@dataclass(frozen=True)
+class AdvantageSettings:
+    shaping: RewardShaping
+    normalization: AdvantageNormalization = "mean_std"
+    overlong_masking: bool = False
+    """Build no samples from truncated episodes (their rewards still count in the baseline)."""
+
+
+def is_informative(group: Group, shaping: RewardShaping) -> bool:
+    return has_reward_variance([shaping.shaped_reward(episode) for episode in group.episodes])
+
+
+def group_advantages(
+    rewards: Sequence[float], normalization: AdvantageNormalization
+) -> list[float]:
     mean = statistics.fmean(rewards)
     centered = [reward - mean for reward in rewards]
     if normalization == "mean_std":
@@ -46,6 +81,7 @@ def group_advantages(rewards: Sequence[float], normalization: str) -> list[float
 class TrainingBatch:
     samples: list[TrainingSample]
     num_groups: int
+    """Informative groups the samples come from."""
     zero_variance_groups: int
     masked_episodes: int
     """Truncated episodes left out by ``overlong_masking``."""
@@ -59,18 +95,19 @@ class TrainingBatch:
         }
 
 
-def build_training_batch(groups: Sequence[Group], config: GRPOConfig) -> TrainingBatch:
+def build_training_batch(groups: Sequence[Group], settings: AdvantageSettings) -> TrainingBatch:
+    """Samples of every informative group's episodes, each with its group-relative advantage."""
     samples: list[TrainingSample] = []
     zero_variance = masked = trained_groups = 0
     for group in groups:
-        rewards = [shaped_reward(episode, config) for episode in group.episodes]
-        if max(rewards) - min(rewards) <= 0.0:
+        rewards = [settings.shaping.shaped_reward(episode) for episode in group.episodes]
+        if not has_reward_variance(rewards):
             zero_variance += 1
             continue
         trained_groups += 1
-        advantages = group_advantages(rewards, config.advantage_normalization)
+        advantages = group_advantages(rewards, settings.normalization)
         for episode, advantage in zip(group.episodes, advantages, strict=True):
-            if config.overlong_masking and not episode.terminated:
+            if settings.overlong_masking and not episode.terminated:
                 masked += 1
                 continue
             if any(episode.mask):

@@ -19,11 +19,18 @@ class TaskStream:
         self._tasks = list(tasks)
         self._seed = seed
         self.cursor = cursor
+        self._orders: dict[int, list[int]] = {}
+        """Shuffles of the epochs in use: async workers hand out positions near the
+        cursor, so at most two epochs are kept."""
 
     def _epoch_order(self, epoch: int) -> list[int]:
-        return random.Random(f"{self._seed}/{epoch}").sample(
-            range(len(self._tasks)), len(self._tasks)
-        )
+        if epoch not in self._orders:
+            if len(self._orders) >= 2:
+                del self._orders[min(self._orders)]
+            self._orders[epoch] = random.Random(f"{self._seed}/{epoch}").sample(
+                range(len(self._tasks)), len(self._tasks)
+            )
+        return self._orders[epoch]
 
     def at(self, position: int) -> Task:
         """The task at ``position`` of the stream (the cursor does not move)."""

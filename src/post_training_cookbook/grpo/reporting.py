@@ -1,29 +1,62 @@
-"""Where step metrics go besides metrics.jsonl: W&B (optional) and the console."""
+"""Where step metrics go: metrics.jsonl, W&B (optional) and the console (``RunLog``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from tqdm import tqdm
 
-from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.runs import RunDirectory
+
+
+class RunLog:
+    """Records each step's metrics, with ``time/elapsed``, in metrics.jsonl, W&B and the
+    console's progress bar."""
+
+    def __init__(
+        self, directory: RunDirectory, wandb: WandbLogger, progress: ConsoleProgress
+    ) -> None:
+        self._directory = directory
+        self._wandb = wandb
+        self._progress = progress
+        self._started = time.perf_counter()
+
+    def record(self, step: int, metrics: dict[str, float], *, advance: bool = True) -> None:
+        """``advance=False``: a record that is not a step (the final validation)."""
+        metrics = {**metrics, "time/elapsed": time.perf_counter() - self._started}
+        self._directory.append_metrics({"step": step, **metrics})
+        self._wandb.log(metrics, step=step)
+        if advance:
+            self._progress.update(metrics)
+
+    def note(self, text: str) -> None:
+        self._progress.note(text)
 
 
 class WandbLogger:
-    """W&B on ``config.wandb_project``; wandb is imported only when a project is set."""
+    """A W&B run in ``project``; wandb is imported only when a project is set (not None)."""
 
-    def __init__(self, config: GRPOConfig, run_dir: str, resume: bool) -> None:
+    def __init__(
+        self,
+        project: str | None,
+        run_name: str,
+        run_dir: str,
+        config: dict[str, Any],
+        *,
+        resume: bool,
+    ) -> None:
         self._run: Any = None
-        if config.wandb_project is None:
+        if project is None:
             return
         import wandb
 
         self._run = wandb.init(
-            project=config.wandb_project,
-            name=config.run_name,
-            id=config.run_name,
+            project=project,
+            name=run_name,
+            id=run_name,
             dir=run_dir,
-            config=config.to_dict(),
+            config=config,
             resume="allow" if resume else None,
         )
 

@@ -1,4 +1,4 @@
-"""The run directory and everything written to it.
+"""A run while it trains (``Run``: what the loops hold), and its directory:
 
 runs/<run_name>/
     config.yaml                       the whole config (loads back with GRPOConfig.from_yaml)
@@ -15,13 +15,19 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from post_training_cookbook.groups import Group
+from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.rollout import EpisodeRunner, Group, episode_record
+from post_training_cookbook.service.base import ModelService
+
+if TYPE_CHECKING:
+    from post_training_cookbook.grpo.reporting import RunLog
+    from post_training_cookbook.grpo.settings import RunSettings
 
 LOOP_STATE = "loop_state.json"
 
@@ -36,7 +42,28 @@ class LoopState:
     """Lockstep: tasks handed out. Async: the lowest task position not yet done."""
     run_name: str
     done_positions: list[int] = field(default_factory=list)
-    """Async only: task positions above ``task_cursor`` already done (see async_train)."""
+    """Async only: task positions above ``task_cursor`` already done (see async_loop)."""
+
+
+@dataclass
+class Run:
+    """What the loops hold while a run trains (opened by ``train.open_run``)."""
+
+    name: str
+    settings: RunSettings
+    service: ModelService
+    episodes: EpisodeRunner
+    train_params: SamplingParams
+    """The codec's stop tokens included, as every sampling param below."""
+    val_params: SamplingParams
+    directory: RunDirectory
+    log: RunLog
+    resumed: LoopState | None
+    """The loop state of the checkpoint the run resumes from."""
+
+    @property
+    def start_step(self) -> int:
+        return self.resumed.step if self.resumed else 0
 
 
 class RunDirectory:
@@ -73,7 +100,8 @@ class RunDirectory:
         path = self.rollouts_dir / f"{kind}_step_{step:06d}.jsonl"
         with path.open("w") as file:
             for group_index, group in enumerate(groups):
-                for record in _episode_records(step, group_index, group):
+                for episode in group.episodes:
+                    record = {"step": step, "group": group_index, **episode_record(episode)}
                     file.write(json.dumps(record, default=str) + "\n")
         return path
 
@@ -96,30 +124,6 @@ class RunDirectory:
             return None
         state = json.loads((complete[-1] / LOOP_STATE).read_text())
         return complete[-1], LoopState(**state)
-
-
-def _episode_records(step: int, group_index: int, group: Group) -> Iterable[dict[str, Any]]:
-    for episode in group.episodes:
-        yield {
-            "step": step,
-            "group": group_index,
-            "task": {
-                "prompt": group.task.prompt,
-                "target": group.task.target,
-                "metadata": group.task.metadata,
-            },
-            "messages": episode.messages,
-            "reward": episode.reward,
-            "truncation": episode.truncation.value if episode.truncation else None,
-            "num_turns": episode.num_turns,
-            "num_tokens": len(episode.tokens),
-            "num_sampled_tokens": int(sum(episode.mask)),
-            "metrics": episode.metrics,
-            "env_error": episode.env_error,
-            "token_ids": episode.tokens,
-            "mask": [int(m) for m in episode.mask],
-            "versions": episode.versions,
-        }
 
 
 def _step_of(line: str) -> int | None:

@@ -4,6 +4,7 @@ from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MOD
 from post_training_cookbook.models.catalog import (
     CATALOG,
     ModelInfo,
+    check_model_can_sample,
     list_models,
     require_generator_support,
     resolve_model,
@@ -14,6 +15,7 @@ __all__ = [
     "BUNDLED_MODEL_ID",
     "CATALOG",
     "ModelInfo",
+    "check_model_can_sample",
     "list_models",
     "require_generator_support",
     "resolve_model",

@@ -119,6 +119,17 @@ def require_generator_support(info: ModelInfo) -> None:
     )
 
 
+def check_model_can_sample(info: ModelInfo, max_model_length: int) -> None:
+    """GRPO and evaluation sample episodes of up to ``max_model_length`` tokens: raise a
+    ``ValueError`` unless the model has generator support and that much context."""
+    require_generator_support(info)
+    if max_model_length > info.max_context:
+        raise ValueError(
+            f"max_model_length={max_model_length} exceeds {info.model_id}'s context of "
+            f"{info.max_context} tokens"
+        )
+
+
 def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
     config = json.loads((folder / "config.json").read_text())
     template = _chat_template_text(folder)

@@ -12,8 +12,10 @@ sequence records the version(s) that produced it (``SampledSequence.policy_segme
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.service.types import (
@@ -78,3 +80,29 @@ class ModelService(abc.ABC):
 
     @abc.abstractmethod
     async def close(self) -> None: ...
+
+
+class IdleClock:
+    """Seconds during which no generator had a sampling request in flight (both services'
+    ``generator_idle_s``): wrap each request in ``busy()``."""
+
+    def __init__(self) -> None:
+        self._requests = 0
+        self._idle_since = time.perf_counter()
+        self._idle_total = 0.0
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        if self._requests == 0:
+            self._idle_total += time.perf_counter() - self._idle_since
+        self._requests += 1
+        try:
+            yield
+        finally:
+            self._requests -= 1
+            if self._requests == 0:
+                self._idle_since = time.perf_counter()
+
+    def idle_s(self) -> float:
+        ongoing = time.perf_counter() - self._idle_since if self._requests == 0 else 0.0
+        return self._idle_total + ongoing

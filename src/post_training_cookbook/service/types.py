@@ -12,6 +12,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from post_training_cookbook.engine.types import WeightsMode
+
+Backend = Literal["local", "ray"]
+"""Where the trainer and generators run: in this process, or as Ray actors."""
+GenerationEngine = Literal["torch", "vllm"]
+"""The generators' sampling engine: ``LocalEngine`` or vLLM."""
+
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
@@ -137,3 +144,31 @@ class WeightSyncType(enum.Enum):
                     return member
         names = ", ".join(f"{m.name} / {m.value!r}" for m in cls)
         raise ValueError(f"unknown weight sync type {value!r}; expected one of {names}")
+
+    @property
+    def engine_mode(self) -> WeightsMode:
+        """How the engines apply weights published this way: PIPELINE swaps them between two
+        decode steps; the other types let the sequences in flight finish first."""
+        return "pipeline" if self is WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE else "drain"
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """How the trainer is built: what it trains and how it steps (``Trainer.from_settings``).
+
+    Defaults are ``Trainer``'s own; ``GRPOConfig`` fields of the same names set them for a run.
+    """
+
+    use_lora: bool = True
+    lora_rank: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """None turns clipping off."""
+    micro_batch_tokens: int = 4096
+    reference_model: bool = False
+    """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
+    autocast_bf16: bool | None = None
+    """None: bf16 autocast where the hardware makes it fast."""
+    seed: int | None = None

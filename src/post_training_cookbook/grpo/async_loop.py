@@ -35,23 +35,24 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.groups import Group, play_group
-from post_training_cookbook.grpo.collect import is_informative
-from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.grpo.data import TaskStream
-from post_training_cookbook.grpo.runs import LoopState
-from post_training_cookbook.grpo.session import Session
-from post_training_cookbook.grpo.steps import (
-    RunContext,
-    checkpoint_due,
-    dump_and_describe,
-    save_checkpoint,
-    train_on_groups,
-    validate,
-    validation_due,
+from post_training_cookbook.grpo.advantages import (
+    RewardShaping,
+    build_training_batch,
+    is_informative,
 )
-from post_training_cookbook.rollout import Episode, derive_seed
+from post_training_cookbook.grpo.data import TaskStream
+from post_training_cookbook.grpo.lockstep import (
+    rollout_metrics,
+    save_checkpoint,
+    train,
+    validation_phase,
+)
+from post_training_cookbook.grpo.runs import LoopState, Run
+from post_training_cookbook.grpo.settings import AsyncSettings, StepSettings
+from post_training_cookbook.rollout import Episode, EpisodeRunner, Group, derive_seed, play_group
+from post_training_cookbook.service.base import ModelService
 
 
 @dataclass(frozen=True)
@@ -104,15 +105,16 @@ class StartGate:
     more, which the gate grants as the admission asks.
     """
 
-    def __init__(self, config: GRPOConfig, trainer_version: int = 0) -> None:
-        assert config.max_steps_off_policy is not None
-        self._batch_size = config.batch_size
-        self._max_age = config.max_steps_off_policy
+    def __init__(
+        self, batch_size: int, max_steps_off_policy: int, trainer_version: int = 0
+    ) -> None:
+        self._batch_size = batch_size
+        self._max_age = max_steps_off_policy
         self.outstanding = 0
         """Groups started and not yet taken by an admission."""
         self.next_version = trainer_version
         """Trainer version of the next (or current) admission."""
-        self.still_needed = config.batch_size
+        self.still_needed = batch_size
         """Groups the next (or current) admission still needs."""
         self._changed = asyncio.Event()
 
@@ -144,13 +146,26 @@ class StartGate:
 
 
 class RolloutWorkers:
+    """``groups_in_flight`` workers, each playing one group at a time, stamped with the
+    policy version the generators had when it started."""
+
     def __init__(
-        self, session: Session, config: GRPOConfig, tasks: Sequence[Task], ledger: PositionLedger
+        self,
+        episodes: EpisodeRunner,
+        service: ModelService,
+        stream: TaskStream,
+        ledger: PositionLedger,
+        params: SamplingParams,
+        steps: StepSettings,
+        async_settings: AsyncSettings,
     ) -> None:
-        self._session = session
-        self._config = config
-        self._stream = TaskStream(tasks, config.seed)
+        self._episodes = episodes
+        self._service = service
+        self._stream = stream
         self._positions = ledger.positions_to_hand_out()
+        self._params = params
+        self._steps = steps
+        self._num_workers = async_settings.groups_in_flight
         self.queue: asyncio.Queue[StampedGroup] = asyncio.Queue()
         """Finished groups, in the order they finished; admissions move them to ``ready``."""
         self.ready: list[StampedGroup] = []
@@ -158,26 +173,28 @@ class RolloutWorkers:
         self.playing: Counter[int] = Counter()
         """Groups being played, by start version."""
         # a resumed run starts at its checkpoint's version, not 0
-        self.gate = StartGate(config, session.service.policy_state().trainer_step)
+        self.gate = StartGate(
+            steps.batch_size,
+            async_settings.max_steps_off_policy,
+            service.policy_state().trainer_step,
+        )
         self._workers: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
-        for _ in range(self._config.effective_groups_in_flight):
+        for _ in range(self._num_workers):
             self._workers.append(asyncio.create_task(self._work()))
 
     async def _work(self) -> None:
-        session, config = self._session, self._config
+        service, steps = self._service, self._steps
         while True:
-            version = await self.gate.enter(
-                lambda: session.service.policy_state().applied_weights_version
-            )
+            version = await self.gate.enter(lambda: service.policy_state().applied_weights_version)
             position = self._positions.take()
             task = self._stream.at(position)
-            seed = derive_seed(config.seed, "train", position)
+            seed = derive_seed(steps.seed, "train", position)
             self.playing[version] += 1
             try:
                 group = await play_group(
-                    session.runner, task, config.episodes_per_task, session.train_params, seed
+                    self._episodes, task, steps.episodes_per_task, self._params, seed
                 )
             finally:
                 self.playing[version] -= 1
@@ -214,17 +231,15 @@ class RolloutWorkers:
 @dataclass
 class AsyncAdmission:
     admitted: list[StampedGroup] = field(default_factory=list)
+    informative: list[Group] = field(default_factory=list)
     dropped_stale: int = 0
     wait_s: float = 0.0
     ages: list[int] = field(default_factory=list)
 
-    def informative_groups(self, config: GRPOConfig) -> list[Group]:
-        return [s.group for s in self.admitted if is_informative(s.group, config)]
-
-    def metrics(self, config: GRPOConfig) -> dict[str, float]:
+    def metrics(self) -> dict[str, float]:
         groups = [stamped.group for stamped in self.admitted]
-        informative = len(self.informative_groups(config))
         episodes = [episode for group in groups for episode in group.episodes]
+        skipped = len(groups) - len(self.informative)
         return {
             "async/train_wait_s": self.wait_s,
             "async/dropped_stale_groups": float(self.dropped_stale),
@@ -232,7 +247,7 @@ class AsyncAdmission:
             "async/policy_age_max": float(max(self.ages, default=0)),
             "async/off_first_version_token_share": _mixed_version_share(episodes),
             "rollout/groups": float(len(groups)),
-            "rollout/zero_variance_skip_ratio": (len(groups) - informative) / max(1, len(groups)),
+            "rollout/zero_variance_skip_ratio": skipped / max(1, len(groups)),
         }
 
 
@@ -248,16 +263,20 @@ def _mixed_version_share(episodes: Sequence[Episode]) -> float:
 
 
 async def admit_groups(
-    workers: RolloutWorkers, ledger: PositionLedger, config: GRPOConfig, trainer_version: int
+    workers: RolloutWorkers,
+    ledger: PositionLedger,
+    steps: StepSettings,
+    max_steps_off_policy: int,
+    trainer_version: int,
 ) -> AsyncAdmission:
     """Take finished groups, oldest first, until the batch is full or the dynamic-sampling
     budget is spent."""
     admission = AsyncAdmission()
-    budget = config.max_sampling_attempts * config.batch_size
-    assert config.max_steps_off_policy is not None
-    last_chance = trainer_version - config.max_steps_off_policy
+    shaping: RewardShaping = steps.advantages.shaping
+    budget = steps.max_sampling_attempts * steps.batch_size
+    last_chance = trainer_version - max_steps_off_policy
     while len(admission.admitted) < budget:
-        still_needed = config.batch_size - len(admission.informative_groups(config))
+        still_needed = steps.batch_size - len(admission.informative)
         if still_needed <= 0:
             break
         workers.gate.admitting(trainer_version, still_needed)
@@ -267,80 +286,108 @@ async def admit_groups(
         workers.gate.taken()
         ledger.mark_done(stamped.position)
         age = trainer_version - stamped.start_version
-        if age > config.max_steps_off_policy:
+        if age > max_steps_off_policy:
             admission.dropped_stale += 1
             continue
         admission.admitted.append(stamped)
         admission.ages.append(age)
+        if is_informative(stamped.group, shaping):
+            admission.informative.append(stamped.group)
     # while this step trains, workers fill the next one, whose trainer version is one higher
-    workers.gate.admitting(trainer_version + 1, config.batch_size)
+    workers.gate.admitting(trainer_version + 1, steps.batch_size)
     return admission
 
 
-async def run_async_steps(
-    ctx: RunContext,
-    tasks: Sequence[Task],
-    val_tasks: Sequence[Task],
-    start: int,
-    resumed: LoopState | None,
-) -> None:
+async def run_async(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) -> None:
     """Async steps while ``groups_in_flight`` rollout workers keep collecting."""
-    config = ctx.config
+    steps, schedule, service = run.settings.steps, run.settings.schedule, run.service
+    async_settings = run.settings.async_
+    assert async_settings is not None
+    resumed = run.resumed
     ledger = (
         PositionLedger(resumed.task_cursor, resumed.done_positions) if resumed else PositionLedger()
     )
-    workers = RolloutWorkers(ctx.session, config, tasks, ledger)
+    stream = TaskStream(tasks, steps.seed)
+    workers = RolloutWorkers(
+        run.episodes, service, stream, ledger, run.train_params, steps, async_settings
+    )
+    validations = BackgroundValidations(run, val_tasks)
     workers.start()
     try:
-        for step in range(start, config.num_steps):
+        for step in range(run.start_step, schedule.num_steps):
             metrics: dict[str, float] = {}
-            if validation_due(config, step) and val_tasks:
-                metrics |= await _validate(ctx, val_tasks, step)
-            metrics |= await _async_step(ctx, workers, ledger, step)
-            ctx.record(step, metrics)
-            if checkpoint_due(config, step + 1):
-                state = LoopState(
-                    step + 1, ledger.low_water, config.run_name or "", sorted(ledger.done_above)
-                )
-                await save_checkpoint(ctx, state)
+            if val_tasks and schedule.validation_due(step):
+                metrics |= await validations.start(step)
+            started = time.perf_counter()
+            idle_before = service.generator_idle_s()
+            trainer_version = service.policy_state().trainer_step
+            # 1. admit (the workers collect all along)
+            admission = await admit_groups(
+                workers, ledger, steps, async_settings.max_steps_off_policy, trainer_version
+            )
+            admitted = time.perf_counter()
+            # 2. score
+            batch = build_training_batch(admission.informative, steps.advantages)
+            # 3. train, publish with weight_sync_type
+            metrics |= await train(service, batch, steps, step)
+            # 4. record
+            groups = [stamped.group for stamped in admission.admitted]
+            run.directory.dump_rollouts(step, groups)
+            metrics |= rollout_metrics(groups, steps.advantages.shaping) | admission.metrics()
+            metrics |= validations.finished() | {
+                "time/admit": admitted - started,
+                "time/step": time.perf_counter() - started,
+                "async/generator_idle_s": service.generator_idle_s() - idle_before,
+            }
+            run.log.record(step, metrics)
+            # 5. checkpoint
+            if schedule.checkpoint_due(step + 1):
+                done_above = sorted(ledger.done_above)
+                state = LoopState(step + 1, ledger.low_water, run.name, done_above)
+                await save_checkpoint(run, state)
+        await validations.drain()
     finally:
         await workers.stop()
+        validations.cancel()
 
 
-async def _validate(ctx: RunContext, val_tasks: Sequence[Task], step: int) -> dict[str, float]:
-    """``sequential_validation``: a blocking phase at one exact version (the trainer waits;
-    workers keep collecting under that same version). Otherwise validation episodes run
-    beside training and record the version they started at."""
-    if ctx.config.sequential_validation:
-        return await validate(ctx, val_tasks, step)
-    ctx.background_validation = asyncio.create_task(validate(ctx, val_tasks, step))
-    return {}
+class BackgroundValidations:
+    """Validation in async runs. ``sequential_validation``: a blocking phase at one exact
+    version (the trainer waits; workers keep collecting under that same version).
+    Otherwise validation episodes run beside training, record the version they started at,
+    and their metrics join the record of the step during which they finish."""
 
+    def __init__(self, run: Run, val_tasks: Sequence[Task]) -> None:
+        self._run = run
+        self._val_tasks = val_tasks
+        self._pending: tuple[int, asyncio.Task[dict[str, float]]] | None = None
 
-async def _async_step(
-    ctx: RunContext, workers: RolloutWorkers, ledger: PositionLedger, step: int
-) -> dict[str, float]:
-    """Admit → score → train → publish, while the workers keep collecting."""
-    config, service = ctx.config, ctx.session.service
-    started = time.perf_counter()
-    idle_before = service.generator_idle_s()
-    trainer_version = service.policy_state().trainer_step
-    admission = await admit_groups(workers, ledger, config, trainer_version)
-    admitted = time.perf_counter()
-    groups = [stamped.group for stamped in admission.admitted]
-    metrics = await train_on_groups(ctx, admission.informative_groups(config), step)
-    metrics |= dump_and_describe(ctx, step, groups) | admission.metrics(config)
-    metrics |= await _finished_background_validation(ctx)
-    return metrics | {
-        "time/admit": admitted - started,
-        "time/step": time.perf_counter() - started,
-        "async/generator_idle_s": service.generator_idle_s() - idle_before,
-    }
+    async def start(self, step: int) -> dict[str, float]:
+        """Validate at ``step``: the metrics now when sequential, else once it finishes.
+        One still running from an earlier step is awaited first (its metrics returned)."""
+        if self._run.settings.validation.sequential:
+            return await validation_phase(self._run, self._val_tasks, step)
+        earlier = await self._pending[1] if self._pending else {}
+        task = asyncio.create_task(validation_phase(self._run, self._val_tasks, step))
+        self._pending = (step, task)
+        return earlier
 
+    def finished(self) -> dict[str, float]:
+        """The metrics of a background validation that finished by now, once."""
+        if self._pending is None or not self._pending[1].done():
+            return {}
+        _, task = self._pending
+        self._pending = None
+        return task.result()
 
-async def _finished_background_validation(ctx: RunContext) -> dict[str, float]:
-    task = ctx.background_validation
-    if task is None or not task.done():
-        return {}
-    ctx.background_validation = None
-    return task.result()
+    async def drain(self) -> None:
+        """After the last step: wait for a validation still running and record it under the
+        step it started at."""
+        if self._pending is not None:
+            step, task = self._pending
+            self._pending = None
+            self._run.log.record(step, await task, advance=False)
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending[1].cancel()

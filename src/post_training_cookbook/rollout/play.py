@@ -1,9 +1,4 @@
-"""One episode, token-in-token-out: render → sample → parse → step → record, until done.
-
-The episode's token list only grows. Sampled tokens are kept exactly as sampled (mask 1,
-with their logprobs and policy versions); everything else — the opening prompt, tool
-results, template glue, the next generation prompt — is forced (mask 0). Earlier turns are
-never decoded and re-encoded.
+"""Play episodes, token-in-token-out: render → sample → parse → step → record, until done.
 
 How an episode ends (``Episode.truncation``):
 - ``None``: the env returned ``terminated=True``;
@@ -17,123 +12,90 @@ How an episode ends (``Episode.truncation``):
 
 Reward and metrics come from the step that ends the episode; when the loop ends it, from the
 env's last step (usually 0.0 and no metrics). ``close()`` runs on every path.
+
+A group is ``num_episodes`` episodes of one task played concurrently; the engine batches the
+turns of every episode in flight, so groups are played concurrently too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import hashlib
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, TypeVar
 
-from post_training_cookbook.codecs import Codec
-from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, StepResult, Task
-from post_training_cookbook.types import Message
+from post_training_cookbook.rollout.types import (
+    EnvStepError,
+    Episode,
+    EpisodeLimits,
+    Group,
+    Sampler,
+    TruncationCause,
+)
+
+if TYPE_CHECKING:
+    from post_training_cookbook.codecs import Codec
 
 T = TypeVar("T")
 
 
-class TruncationCause(enum.Enum):
-    CONTEXT_OVERFLOW = "context_overflow"
-    MAX_TURNS = "max_turns"
-    ENV = "env"
-    PARSE_FAILURE = "parse_failure"
-
-
-class Sampler(Protocol):
-    """What the rollout needs from a model: the engine and the service both provide it."""
-
-    async def sample(
-        self, prompt_tokens: list[int], n: int, params: SamplingParams
-    ) -> list[SampledSequence]: ...
-
-
-EnvErrorPolicy = Literal["raise", "truncate"]
-
-
 @dataclass(frozen=True)
-class EpisodeLimits:
-    max_turns: int
-    max_model_length: int
-    max_tokens_per_turn: int
-    failed_parse_reward: float = 0.0
-    env_step_timeout_s: float | None = 60.0
-    """A ``reset``/``step``/``close`` that takes longer is an env error (None = no limit)."""
-    env_errors: EnvErrorPolicy = "raise"
-    """``"raise"``: an env exception stops the run, naming the task and the turn;
-    ``"truncate"``: the episode ends as ``ENV`` and counts in ``env_error`` metrics."""
+class EpisodeRunner:
+    """Everything needed to play an episode, fixed once per run."""
+
+    env_factory: Callable[[Task], Env]
+    sampler: Sampler
+    codec: Codec
+    limits: EpisodeLimits
 
 
-class EnvStepError(RuntimeError):
-    """An env raised (or timed out) under ``env_errors="raise"``; says which task and turn."""
+async def play_group(
+    runner: EpisodeRunner,
+    task: Task,
+    num_episodes: int,
+    params: SamplingParams,
+    seed: int | None = None,
+) -> Group:
+    """``num_episodes`` episodes of ``task``, concurrently; ``seed`` makes them repeatable
+    (each episode gets its own derived seed, so they still differ from each other)."""
+
+    def play_episode(index: int) -> Awaitable[Episode]:
+        episode_seed = None if seed is None else derive_seed(seed, index)
+        return run_episode(task, runner, params, episode_seed)
+
+    episodes = await asyncio.gather(*(play_episode(index) for index in range(num_episodes)))
+    return Group(task, list(episodes))
 
 
-@dataclass
-class Episode:
-    task: Task
-    tokens: list[int]
-    mask: list[float]
-    """1.0 on sampled tokens, 0.0 on forced ones."""
-    sampler_logprobs: list[float]
-    """Per token: the sampler's logprob of a sampled token; 0.0 on forced tokens."""
-    versions: list[int]
-    """Per token: the policy version that sampled it; -1 on forced tokens."""
-    messages: list[Message] = field(default_factory=list)
-    reward: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
-    truncation: TruncationCause | None = None
-    num_turns: int = 0
-    env_error: str | None = None
-    length_capped_turns: int = 0
-    """Turns cut at ``max_tokens_per_turn`` (not counting a context-budget cut)."""
-
-    @property
-    def terminated(self) -> bool:
-        return self.truncation is None
-
-    @property
-    def start_version(self) -> int:
-        sampled = [version for version in self.versions if version >= 0]
-        return sampled[0] if sampled else -1
-
-    def add_forced(self, tokens: list[int]) -> None:
-        self.tokens += tokens
-        self.mask += [0.0] * len(tokens)
-        self.sampler_logprobs += [0.0] * len(tokens)
-        self.versions += [-1] * len(tokens)
-
-    def add_sampled(self, sequence: SampledSequence) -> None:
-        self.tokens += sequence.tokens
-        self.mask += [1.0] * len(sequence.tokens)
-        self.sampler_logprobs += sequence.logprobs
-        self.versions += _token_versions(sequence)
-
-
-def _token_versions(sequence: SampledSequence) -> list[int]:
-    versions = []
-    segments = sorted(sequence.policy_segments, key=lambda segment: segment.start_token)
-    for index in range(len(sequence.tokens)):
-        current = [s.version for s in segments if s.start_token <= index]
-        versions.append(current[-1] if current else -1)
-    return versions
+async def play_groups(
+    runner: EpisodeRunner,
+    tasks: Sequence[Task],
+    num_episodes: int,
+    params: SamplingParams,
+    seeds: Sequence[int | None] | None = None,
+) -> list[Group]:
+    """One group per task, all concurrently."""
+    group_seeds = list(seeds) if seeds is not None else [None] * len(tasks)
+    groups = await asyncio.gather(
+        *(
+            play_group(runner, task, num_episodes, params, seed)
+            for task, seed in zip(tasks, group_seeds, strict=True)
+        )
+    )
+    return list(groups)
 
 
 async def run_episode(
-    task: Task,
-    env_factory: Callable[[Task], Env],
-    sampler: Sampler,
-    codec: Codec,
-    params: SamplingParams,
-    limits: EpisodeLimits,
-    seed: int | None = None,
+    task: Task, runner: EpisodeRunner, params: SamplingParams, seed: int | None = None
 ) -> Episode:
     """Play one episode of ``task`` with a fresh env; ``close()`` runs however it ends.
 
     ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed)."""
-    env = env_factory(task)
+    codec, limits = runner.codec, runner.limits
+    env = runner.env_factory(task)
     turn = 0
     try:
         opening = await _guarded(env.reset(task), limits, task, "reset", turn)
@@ -150,7 +112,7 @@ async def run_episode(
             max_tokens = min(limits.max_tokens_per_turn, budget)
             turn_seed = params.seed if seed is None else derive_seed(seed, turn)
             turn_params = replace(params, max_tokens=max_tokens, seed=turn_seed)
-            (sampled,) = await sampler.sample(episode.tokens, 1, turn_params)
+            (sampled,) = await runner.sampler.sample(episode.tokens, 1, turn_params)
             episode.add_sampled(sampled)
             turn += 1
             episode.num_turns = turn
@@ -174,7 +136,7 @@ async def run_episode(
                 return _truncated(episode, TruncationCause.CONTEXT_OVERFLOW)
             episode.add_forced(extension)
     finally:
-        await _close(env, limits, task, turn)
+        await _guarded(env.close(), limits, task, "close", turn)
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -215,7 +177,3 @@ async def _guarded(
         if limits.env_errors == "raise":
             raise EnvStepError(f"{error} on task {task.prompt!r}, turn {turn}") from exc
         return error
-
-
-async def _close(env: Env, limits: EpisodeLimits, task: Task, turn: int) -> None:
-    await _guarded(env.close(), limits, task, "close", turn)

@@ -1,0 +1,188 @@
+"""Lockstep GRPO, one step top to bottom, and the phase functions the async loop reuses.
+
+    1. collect     play ``batch_size`` groups of ``episodes_per_task`` episodes; dynamic
+                   sampling plays more rounds while too few groups are informative
+    2. score       shaped rewards → group-relative advantages → training samples
+    3. train       forward_backward → optim_step → weights_sync (SYNCHRONOUS in lockstep)
+    4. record      the step's rollout dump; metrics.jsonl, W&B, console
+    5. checkpoint  on schedule, with the task cursor, so a resumed run sees the same tasks
+
+Where this departs from textbook GRPO, and why:
+- Episodes are whole multi-turn conversations, one sample each: every sampled token of the
+  episode gets the episode's advantage (tool results and template glue are masked out).
+- Groups whose (shaped) rewards are all equal are skipped and counted, not trained with zero
+  advantage (``rollout/zero_variance_skip_ratio``).
+- The behaviour policy is the sampler's own logprobs (recorded token by token), so the
+  loss's importance ratio also covers sampler/trainer numeric differences.
+- Validation runs at an exact policy version: between steps, before any training on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.envs.base import Task
+from post_training_cookbook.grpo.advantages import (
+    RewardShaping,
+    TrainingBatch,
+    build_training_batch,
+    is_informative,
+)
+from post_training_cookbook.grpo.data import TaskStream
+from post_training_cookbook.grpo.runs import LoopState, Run
+from post_training_cookbook.grpo.settings import StepSettings, ValidationSettings
+from post_training_cookbook.rollout import (
+    EpisodeRunner,
+    Group,
+    derive_seed,
+    episode_metrics,
+    play_groups,
+)
+from post_training_cookbook.service.base import ModelService
+
+
+async def run_lockstep(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) -> None:
+    """Lockstep: each step's rollouts finish before it trains, so every step is on-policy."""
+    steps, schedule = run.settings.steps, run.settings.schedule
+    cursor = run.resumed.task_cursor if run.resumed else 0
+    stream = TaskStream(tasks, steps.seed, cursor=cursor)
+    for step in range(run.start_step, schedule.num_steps):
+        metrics: dict[str, float] = {}
+        if val_tasks and schedule.validation_due(step):
+            metrics |= await validation_phase(run, val_tasks, step)
+        started = time.perf_counter()
+        # 1. collect
+        collected = await collect_groups(run.episodes, stream, steps, run.train_params)
+        collect_s = time.perf_counter() - started
+        # 2. score
+        batch = build_training_batch(collected.informative[: steps.batch_size], steps.advantages)
+        # 3. train
+        metrics |= await train(run.service, batch, steps, step)
+        # 4. record
+        run.directory.dump_rollouts(step, collected.groups)
+        metrics |= rollout_metrics(collected.groups, steps.advantages.shaping)
+        metrics |= collected.metrics() | {
+            "time/rollout": collect_s,
+            "time/step": time.perf_counter() - started,
+            "throughput/sampled_tokens_per_s": collected.sampled_tokens / max(1e-9, collect_s),
+        }
+        run.log.record(step, metrics)
+        # 5. checkpoint
+        if schedule.checkpoint_due(step + 1):
+            await save_checkpoint(run, LoopState(step + 1, stream.cursor, run.name))
+
+
+# ---------------------------------------------------------------- the phases
+
+
+@dataclass
+class CollectedGroups:
+    """The groups one step played, informative or not, in the order they were played."""
+
+    groups: list[Group] = field(default_factory=list)
+    informative: list[Group] = field(default_factory=list)
+    attempts: int = 0
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(e.num_sampled_tokens for group in self.groups for e in group.episodes)
+
+    def metrics(self) -> dict[str, float]:
+        skipped = len(self.groups) - len(self.informative)
+        return {
+            "rollout/sampling_attempts": float(self.attempts),
+            "rollout/groups": float(len(self.groups)),
+            "rollout/zero_variance_skip_ratio": skipped / max(1, len(self.groups)),
+        }
+
+
+async def collect_groups(
+    episodes: EpisodeRunner, stream: TaskStream, steps: StepSettings, params: SamplingParams
+) -> CollectedGroups:
+    """Phase 1 with dynamic sampling: each of up to ``max_sampling_attempts`` rounds plays as
+    many new tasks as the batch still lacks informative groups."""
+    collected = CollectedGroups()
+    shaping = steps.advantages.shaping
+    while collected.attempts < steps.max_sampling_attempts:
+        missing = steps.batch_size - len(collected.informative)
+        if missing <= 0:
+            break
+        collected.attempts += 1
+        taken = stream.take(missing)
+        seeds = [derive_seed(steps.seed, "train", position) for position, _ in taken]
+        tasks = [task for _, task in taken]
+        groups = await play_groups(episodes, tasks, steps.episodes_per_task, params, seeds)
+        collected.groups += groups
+        collected.informative += [group for group in groups if is_informative(group, shaping)]
+    return collected
+
+
+async def train(
+    service: ModelService, batch: TrainingBatch, steps: StepSettings, step: int
+) -> dict[str, float]:
+    """Phase 3: forward_backward → optim_step → weights_sync. A batch with nothing to learn
+    from makes no optimizer step."""
+    started = time.perf_counter()
+    metrics = batch.metrics()
+    trained = synced = started
+    if batch.samples:
+        result = await service.forward_backward(batch.samples, steps.loss)
+        optim = await service.optim_step(steps.learning_rate.at(step))
+        metrics |= {"loss/loss": result.loss} | result.metrics | optim.metrics
+        trained = time.perf_counter()
+        await service.weights_sync(steps.weight_sync_type)
+        synced = time.perf_counter()
+    state = service.policy_state()
+    return metrics | {
+        "policy/version": float(state.trainer_step),
+        "policy/applied_version": float(state.applied_weights_version),
+        "time/train": trained - started,
+        "time/weight_sync": synced - trained,
+    }
+
+
+def rollout_metrics(groups: Sequence[Group], shaping: RewardShaping) -> dict[str, float]:
+    """The step's episode metrics, reward variance judged as the skip judges it."""
+    return episode_metrics(groups, reward_of=shaping.shaped_reward)
+
+
+async def validate(
+    episodes: EpisodeRunner,
+    service: ModelService,
+    tasks: Sequence[Task],
+    params: SamplingParams,
+    settings: ValidationSettings,
+) -> tuple[list[Group], dict[str, float]]:
+    """Validation episodes at the current policy version; waits for a deferred publish to
+    land first, so that every episode samples with one version."""
+    while service.policy_state().pending_publish:
+        await asyncio.sleep(0.01)
+    version = service.policy_state().applied_weights_version
+    started = time.perf_counter()
+    seeds = [derive_seed(settings.seed, "val", index) for index in range(len(tasks))]
+    groups = await play_groups(episodes, tasks, settings.episodes_per_task, params, seeds)
+    metrics = episode_metrics(groups, prefix="val/", reward_of=settings.shaping.shaped_reward)
+    return groups, metrics | {
+        "val/policy_version": float(version),
+        "time/validation": time.perf_counter() - started,
+    }
+
+
+async def validation_phase(run: Run, val_tasks: Sequence[Task], step: int) -> dict[str, float]:
+    """Validate, and dump the validation episodes as ``rollouts/val_step_<step>.jsonl``."""
+    groups, metrics = await validate(
+        run.episodes, run.service, val_tasks, run.val_params, run.settings.validation
+    )
+    run.directory.dump_rollouts(step, groups, kind="val")
+    return metrics
+
+
+async def save_checkpoint(run: Run, state: LoopState) -> None:
+    """The trainer's checkpoint, then the loop's state (written last: it marks it complete)."""
+    folder = run.directory.checkpoint_dir(state.step)
+    await run.service.save_training_checkpoint(folder)
+    run.directory.write_loop_state(folder, state)

