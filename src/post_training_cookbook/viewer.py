@@ -8,6 +8,9 @@ tool results, template glue).
 Reads a run's rollout dumps (``rollouts/train_step_NNNNNN.jsonl``, ``val_step_...``), an
 evaluation's ``episodes.jsonl``, or such a file named directly. Tokens are decoded with the
 run's tokenizer (its ``final_model``'s, else its base model's); without one, token ids show.
+
+One module, a little over 400 lines: loading, the terminal view and the HTML view share the
+episode model (``EpisodeView``) and its turn splitting, and read best side by side.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The model side of LocalEngine: prefill, decode steps, sampling, prefix reuse, weight swaps.
 
 Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
-and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``.
+and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``. The module is one class
+over that invariant (a little over 400 lines), which is why it is not split.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ class Decoder:
     def prefill(self, requests: list[Request]) -> None:
         """Prefill every distinct prompt, then give each sample its row: one forward per
         group of similar suffix lengths, so padding stays under a quarter of what it computes
-        (multi-turn mixes first turns of hundreds of tokens with tool results of tens: one
-        forward over all padded ~50% more tokens than it had, measured on the async benchmark)."""
+        (multi-turn mixes first turns of hundreds of tokens with tool results of tens, so one
+        forward over all would compute much padding; docs/performance.md)."""
         prompts = self._distinct_prompts(requests)
         for group in length_groups([len(prompt.suffix) for prompt in prompts]):
             self._prefill([prompts[index] for index in group])

@@ -36,9 +36,8 @@ from post_training_cookbook.engine.native import NativeKernels, native_kernels
 _FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
 # Norms whose forward is the float32-statistics RMSNorm that decode_step.cpp reproduces.
 _RMS_NORMS = frozenset({"LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
-# Packed copies of the matmul weights cost their size again; past this, matmuls use the originals.
-# Measured on the bundled model (2 cores, 32 rows): the matmuls of a step 3.9 -> 2.6 ms in
-# float32, 2.5 -> 2.0 ms in bfloat16.
+# Packed copies of the matmul weights cost their size again (for faster matmuls, see
+# docs/performance.md); past this, matmuls use the originals.
 PACK_MAX_BYTES = 4 << 30
 
 

