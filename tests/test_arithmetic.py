@@ -314,6 +314,9 @@ def test_numbers_equal_after_rounding_both_to_two_decimals(reply: str, target: s
         ("inf", "inf"),
         ("42", "forty-two"),
         ("1" * 100, "1" * 100),
+        ("٤٢", "42"),  # Arabic-Indic digits: not a plain decimal number
+        ("４２", "42"),  # fullwidth digits
+        ("٤٢", "٤٢"),
     ],
 )
 def test_numbers_equal_rejects_other_numbers_and_text_around_a_number(

@@ -152,6 +152,10 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"use_lora": "yes"}, ["use_lora", "bool"]),
     ({"learning_rate": "1e-5"}, ["learning_rate", "float"]),
     ({"max_steps_off_policy": 1.5}, ["max_steps_off_policy", "int or None"]),
+    ({"run_name": "run\x00name"}, ["run_name", "printable", "NUL"]),
+    ({"seed": 2**70}, ["seed", "<= 9223372036854775807"]),
+    ({"lora_rank": 10**7}, ["lora_rank", "<= 4096"]),
+    ({"num_generator_replicas": 10**6}, ["num_generator_replicas", "<= 1024"]),
 ]
 
 

@@ -24,7 +24,7 @@ from test_grpo_common import (
 
 from post_training_cookbook.envs import StepResult, Task
 from post_training_cookbook.grpo.train import train_multi_turn
-from post_training_cookbook.rollout import EnvStepError
+from post_training_cookbook.rollout import EnvStepError, UnusableRolloutsError
 from post_training_cookbook.types import Message
 
 ALL_ENDINGS = ("answer", "wrong", "loop", "env", "parse", "ramble")
@@ -135,16 +135,69 @@ def test_under_env_errors_truncate_a_failing_env_ends_its_episode_as_env_and_is_
         env_step_timeout_s=0.2,
         env_errors="truncate",
     )
-    run = train_multi_turn(config, mode_tasks(["answer"], ["answer"]), mode_envs(closes, env_class))
+    tasks = mode_tasks(["answer"], ["answer"])
+    run = train_multi_turn(config, tasks, first_env_of_each_task(closes, env_class))
     records = train_dump(run.path, 0)
     assert len(records) == 6
-    for record in records:
+    failed = [record for record in records if record["env_error"] is not None]
+    assert len(failed) == 2  # the first env of each task
+    for record in failed:
         assert record["truncation"] == "env" and record["reward"] == 0.0
-        assert record["env_error"] == error
+        assert record["env_error"] == f"{env_class.__name__}: {error}"
     metrics = step_metrics(run.path)[0]
-    assert metrics["rollout/env_truncated_ratio"] == 1.0
-    assert metrics["rollout/env_error_ratio"] == 1.0
-    assert metrics["rollout/truncated_ratio"] == 1.0
-    assert metrics["rollout/zero_variance_skip_ratio"] == 1.0
+    assert metrics["rollout/env_truncated_ratio"] == pytest.approx(1 / 3)
+    assert metrics["rollout/env_error_ratio"] == pytest.approx(1 / 3)
+    assert metrics["rollout/zero_variance_skip_ratio"] == 0.0  # rewards 0, 1, 1 in each group
     assert closes.built == closes.closed == 6
     assert (run.final_model_dir / "config.json").is_file()
+
+
+def first_env_of_each_task(closes: Closes, env_class: type[ModeEnv]):
+    """An env factory: the first env built for each task is ``env_class``, the rest work."""
+    built: dict[str, int] = {}
+
+    def factory(task: Task) -> ModeEnv:
+        index = built.get(task.prompt, 0)
+        built[task.prompt] = index + 1
+        return (env_class if index == 0 else ModeEnv)("answer", closes)
+
+    return factory
+
+
+def test_a_step_whose_every_episode_is_an_env_error_stops_the_run_with_the_first_error(
+    tiny_llama_dir, tmp_path, scripted
+):
+    closes = Closes()
+    config = quick_config(tiny_llama_dir, tmp_path, batch_size=2, env_errors="truncate")
+    tasks = mode_tasks(["answer"], ["answer"])
+    with pytest.raises(UnusableRolloutsError, match="every episode of step 0") as raised:
+        train_multi_turn(config, tasks, mode_envs(closes, RaisingEnv))
+    assert "RaisingEnv: env.step raised KeyError('boom')" in str(raised.value)
+    assert closes.built == closes.closed == 4
+
+
+def test_a_max_model_length_below_the_prompt_stops_the_run_instead_of_learning_nothing(
+    tiny_llama_dir, tmp_path, scripted
+):
+    config = quick_config(
+        tiny_llama_dir, tmp_path, max_model_length=8, max_tokens_per_turn=4,
+        overlong_buffer_length=0,
+    )  # fmt: skip
+    with pytest.raises(
+        UnusableRolloutsError, match="no episode of step 0 sampled a token"
+    ) as raised:
+        train_multi_turn(config, mode_tasks(["answer", "wrong"]), mode_envs(Closes()))
+    assert "leave no room within max_model_length=8" in str(raised.value)
+
+
+def test_a_validation_of_only_env_errors_stops_the_run(tiny_llama_dir, tmp_path, scripted):
+    closes = Closes()
+    config = quick_config(tiny_llama_dir, tmp_path, validation_interval=1, env_errors="truncate")
+    val_tasks = [Task("Validate. ", metadata={"modes": ["answer"]})]
+
+    def factory(task: Task) -> ModeEnv:
+        env_class = RaisingEnv if task in val_tasks else ModeEnv
+        return env_class("answer", closes)
+
+    with pytest.raises(UnusableRolloutsError, match="the validation before step 0"):
+        train_multi_turn(config, mode_tasks(["answer"]), factory, val_tasks=val_tasks)

@@ -242,6 +242,15 @@ def test_fact_tools_return_text_or_raise_value_error_on_any_arguments(arguments)
         assert fastest < 0.05
 
 
+@pytest.mark.parametrize(
+    "arguments", ["[" * 100_000 + "]" * 100_000, '{"key": ' + "9" * 5000 + "}"]
+)
+def test_fact_tools_refuse_deeply_nested_or_huge_number_json_with_a_value_error(arguments):
+    for tool in (LookupTool(default_world()), ListFactKeysTool(default_world())):
+        with pytest.raises(ValueError, match="arguments are not valid JSON"):
+            _LOOP.run_until_complete(tool.execute(arguments))
+
+
 def test_every_question_parses_back_to_its_keys():
     for task in TOOL_USE_GAME_TASKS:
         assert list(parse_question(task.prompt).keys) == task.metadata["keys"]

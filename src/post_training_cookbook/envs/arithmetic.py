@@ -229,7 +229,7 @@ def format_number(value: Number) -> str:
     return "0" if text == "-0" else text
 
 
-_DECIMAL_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+_DECIMAL_NUMBER = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")  # ASCII digits only
 _MAX_NUMBER_TEXT = 64  # longer replies are not numbers a grader should parse
 _CENTS = Decimal("0.01")
 

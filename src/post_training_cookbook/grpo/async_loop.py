@@ -51,7 +51,14 @@ from post_training_cookbook.grpo.lockstep import (
 )
 from post_training_cookbook.grpo.runs import LoopState, Run
 from post_training_cookbook.grpo.settings import AsyncSettings, StepSettings
-from post_training_cookbook.rollout import Episode, EpisodeRunner, Group, derive_seed, play_group
+from post_training_cookbook.rollout import (
+    Episode,
+    EpisodeRunner,
+    Group,
+    check_rollouts_usable,
+    derive_seed,
+    play_group,
+)
 from post_training_cookbook.service.base import ModelService
 
 
@@ -326,12 +333,14 @@ async def run_async(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) 
                 workers, ledger, steps, async_settings.max_steps_off_policy, trainer_version
             )
             admitted = time.perf_counter()
+            groups = [stamped.group for stamped in admission.admitted]
+            limit = run.settings.episodes.max_model_length
+            check_rollouts_usable(groups, f"step {step}", limit)
             # 2. score
             batch = build_training_batch(admission.informative, steps.advantages)
             # 3. train, publish with weight_sync_type
             metrics |= await train(service, batch, steps, step)
             # 4. record
-            groups = [stamped.group for stamped in admission.admitted]
             run.directory.dump_rollouts(step, groups)
             metrics |= rollout_metrics(groups, steps.advantages.shaping) | admission.metrics()
             metrics |= validations.finished() | {

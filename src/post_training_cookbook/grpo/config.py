@@ -39,6 +39,7 @@ from post_training_cookbook.grpo.validation import (
     WHY_OFF_POLICY,
     admits_float,
     at_least,
+    at_most,
     at_most_field,
     deferred_sync_needs_async,
     field_rules,
@@ -122,7 +123,7 @@ class GRPOConfig:
     codec: str | None = None
     """Codec name (``"hermes"``, ``"qwen3"``). None takes the catalog's, or infers it from a
     local folder's chat template. Checked when the run builds its codec."""
-    lora_rank: int = setting(16, at_least(1))
+    lora_rank: int = setting(16, at_least(1), at_most(4096, "LoRA ranks are tens to hundreds"))
     """LoRA rank r (with ``use_lora``)."""
     lora_alpha: int = setting(32, at_least(1))
     """LoRA scale: the adapter's update is multiplied by ``lora_alpha / lora_rank``."""
@@ -199,7 +200,9 @@ class GRPOConfig:
     )
     """How new weights reach the generators. Also accepts the name or the short name
     (``"pipeline"``)."""
-    num_generator_replicas: int = setting(1, at_least(1))
+    num_generator_replicas: int = setting(
+        1, at_least(1), at_most(1024, "each replica holds a copy of the model")
+    )
     """Generator replicas that sample rollouts."""
     backend: Backend = "local"
     """Where the trainer and generators run: in this process, or as Ray actors (extra
@@ -217,7 +220,7 @@ class GRPOConfig:
     ``grpo-<model>-<UTC timestamp>`` once, with ``with_resolved_run_name()``."""
     runs_dir: str = "runs"
     """Where run folders live: config.yaml, metrics.jsonl, rollouts, checkpoints, model."""
-    seed: int = setting(0, at_least(0))
+    seed: int = setting(0, at_least(0), at_most(2**63 - 1, "seeds are 64-bit"))
     """Seed of task order, sampling and initialisation."""
     checkpoint_interval: int = setting(10, at_least(0))
     """A training checkpoint every this many steps. 0 = only the final one."""

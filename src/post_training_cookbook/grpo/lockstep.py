@@ -38,6 +38,7 @@ from post_training_cookbook.grpo.settings import StepSettings, ValidationSetting
 from post_training_cookbook.rollout import (
     EpisodeRunner,
     Group,
+    check_rollouts_usable,
     derive_seed,
     episode_metrics,
     play_groups,
@@ -48,6 +49,7 @@ from post_training_cookbook.service.base import ModelService
 async def run_lockstep(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) -> None:
     """Lockstep: each step's rollouts finish before it trains, so every step is on-policy."""
     steps, schedule = run.settings.steps, run.settings.schedule
+    max_model_length = run.settings.episodes.max_model_length
     cursor = run.resumed.task_cursor if run.resumed else 0
     stream = TaskStream(tasks, steps.seed, cursor=cursor)
     for step in range(run.start_step, schedule.num_steps):
@@ -58,6 +60,7 @@ async def run_lockstep(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task
         # 1. collect
         collected = await collect_groups(run.episodes, stream, steps, run.train_params)
         collect_s = time.perf_counter() - started
+        check_rollouts_usable(collected.groups, f"step {step}", max_model_length)
         # 2. score
         batch = build_training_batch(collected.informative[: steps.batch_size], steps.advantages)
         # 3. train
@@ -178,6 +181,8 @@ async def validation_phase(run: Run, val_tasks: Sequence[Task], step: int) -> di
         run.episodes, run.service, val_tasks, run.val_params, run.settings.validation
     )
     run.directory.dump_rollouts(step, groups, kind="val")
+    limit = run.settings.episodes.max_model_length
+    check_rollouts_usable(groups, f"the validation before step {step}", limit)
     return metrics
 
 

@@ -43,6 +43,15 @@ def at_least(minimum: int, why: str = "", *, or_none: bool = False) -> Rule:
     return rule
 
 
+def at_most(maximum: int, why: str) -> Rule:
+    def rule(config: Any, name: str, value: Any) -> str | None:
+        if value is None or value <= maximum:
+            return None
+        return f"{name} must be <= {maximum}, got {value}: {why}"
+
+    return rule
+
+
 def positive(config: Any, name: str, value: Any) -> str | None:
     return None if value is None or value > 0 else f"{name} must be > 0, got {value}"
 
@@ -169,6 +178,8 @@ def resume_needs_run_name(config: GRPOConfig, name: str, value: Any) -> str | No
 
 
 def folder_name(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value is not None and not value.isprintable():
+        return f"run_name must be printable (no control characters such as NUL), got {value!r}"
     # An empty name is reported by the generic not-empty rule.
     if (
         value is None

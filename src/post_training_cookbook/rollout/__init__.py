@@ -5,7 +5,11 @@ and the JSON line each becomes (``records``).
 Nothing here imports torch or transformers: the sampler and the codec are handed in.
 """
 
-from post_training_cookbook.rollout.checks import check_episode_inputs
+from post_training_cookbook.rollout.checks import (
+    UnusableRolloutsError,
+    check_episode_inputs,
+    check_rollouts_usable,
+)
 from post_training_cookbook.rollout.metrics import (
     RewardOf,
     env_reward,
@@ -42,7 +46,9 @@ __all__ = [
     "RewardOf",
     "Sampler",
     "TruncationCause",
+    "UnusableRolloutsError",
     "check_episode_inputs",
+    "check_rollouts_usable",
     "derive_seed",
     "env_reward",
     "episode_metrics",

@@ -20,13 +20,22 @@ turns of every episode in flight, so groups are played concurrently too.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.engine.types import SamplingParams
-from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.rollout.guards import (
+    EnvFault,
+    call_env,
+    checked_messages,
+    checked_step,
+    env_property,
+    new_messages,
+)
 from post_training_cookbook.rollout.types import (
     EnvStepError,
     Episode,
@@ -35,11 +44,10 @@ from post_training_cookbook.rollout.types import (
     Sampler,
     TruncationCause,
 )
+from post_training_cookbook.types import Message
 
 if TYPE_CHECKING:
     from post_training_cookbook.codecs import Codec
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,33 @@ class EpisodeRunner:
     sampler: Sampler
     codec: Codec
     limits: EpisodeLimits
+    _live_envs: set[int] = field(default_factory=set, compare=False, repr=False)
+    """Envs of episodes in flight, by id: one instance must not serve two episodes."""
+
+    def build_env(self, task: Task) -> Env:
+        """A fresh env for ``task``; ``EnvFault`` when the factory fails, ``ValueError`` when
+        it hands out an env that another episode is still using."""
+        try:
+            env = self.env_factory(task)
+        except Exception as exc:
+            raise EnvFault(f"env_factory raised {exc!r}") from exc
+        if not isinstance(env, Env) and not all(
+            hasattr(env, name) for name in ("reset", "step", "tool_specs", "messages")
+        ):
+            raise EnvFault(
+                f"env_factory returned a {type(env).__name__}, not an Env (reset, step, "
+                "tool_specs, messages)"
+            )
+        if id(env) in self._live_envs:
+            raise ValueError(
+                f"env_factory returned the same {type(env).__name__} instance for two episodes "
+                "in flight: build a fresh env per call, e.g. env_factory=lambda task: MyEnv()"
+            )
+        self._live_envs.add(id(env))
+        return env
+
+    def release_env(self, env: Env) -> None:
+        self._live_envs.discard(id(env))
 
 
 async def play_group(
@@ -93,50 +128,85 @@ async def run_episode(
 ) -> Episode:
     """Play one episode of ``task`` with a fresh env; ``close()`` runs however it ends.
 
-    ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed)."""
-    codec, limits = runner.codec, runner.limits
-    env = runner.env_factory(task)
-    turn = 0
+    ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed).
+    Whatever goes wrong with the env (``EnvFault``) gets the env error policy: under
+    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run."""
+    episode = Episode(task, [], [], [], [])
+    env: Env | None = None
     try:
-        opening = await _guarded(env.reset(task), limits, task, "reset", turn)
-        if isinstance(opening, str):
-            return _env_failed(Episode(task, [], [], [], []), opening)
-        episode = Episode(task, [], [], [], [], messages=list(opening))
-        episode.add_forced(codec.render_prompt(opening, env.tool_specs))
-        while True:
-            if turn >= limits.max_turns:
-                return _truncated(episode, TruncationCause.MAX_TURNS)
-            budget = limits.max_model_length - len(episode.tokens)
-            if budget < 1:
-                return _truncated(episode, TruncationCause.CONTEXT_OVERFLOW)
-            max_tokens = min(limits.max_tokens_per_turn, budget)
-            turn_seed = params.seed if seed is None else derive_seed(seed, turn)
-            turn_params = replace(params, max_tokens=max_tokens, seed=turn_seed)
-            (sampled,) = await runner.sampler.sample(episode.tokens, 1, turn_params)
-            episode.add_sampled(sampled)
-            turn += 1
-            episode.num_turns = turn
-            if sampled.stop_reason == "length" and max_tokens < limits.max_tokens_per_turn:
-                return _truncated(episode, TruncationCause.CONTEXT_OVERFLOW)
-            episode.length_capped_turns += sampled.stop_reason == "length"
-            parsed = codec.parse(sampled.tokens)
-            if parsed.message is None:
-                episode.reward = limits.failed_parse_reward
-                return _truncated(episode, TruncationCause.PARSE_FAILURE)
-            seen = len(env.messages)
-            result = await _guarded(env.step(parsed.message), limits, task, "step", turn)
-            if isinstance(result, str):
-                return _env_failed(episode, result)
-            _record(episode, result)
-            if result.terminated or result.truncated:
-                return _truncated(episode, None if result.terminated else TruncationCause.ENV)
-            new_messages = result.messages[seen + 1 :]
-            extension = codec.render_extension(new_messages, sampled_tokens=sampled.tokens)
-            if len(episode.tokens) + len(extension) >= limits.max_model_length:
-                return _truncated(episode, TruncationCause.CONTEXT_OVERFLOW)
-            episode.add_forced(extension)
+        env = runner.build_env(task)
+        await _play(episode, env, runner, params, seed)
+    except EnvFault as fault:
+        _env_failed(episode, env, fault, runner.limits)
     finally:
-        await _guarded(env.close(), limits, task, "close", turn)
+        if env is not None:
+            runner.release_env(env)
+            await _close(episode, env, runner.limits)
+    return episode
+
+
+async def _play(
+    episode: Episode, env: Env, runner: EpisodeRunner, params: SamplingParams, seed: int | None
+) -> None:
+    """The rollout core: render → sample → parse → step → record, until the env or a limit
+    ends the episode. Env trouble raises ``EnvFault``; ``run_episode`` handles it."""
+    task, codec, limits = episode.task, runner.codec, runner.limits
+
+    def env_call(start: Callable[[], Any], what: str) -> Awaitable[Any]:
+        label = f"env.{what} of task {task.prompt[:80]!r}, turn {episode.num_turns}"
+        return call_env(start, what, limits.env_step_timeout_s, label)
+
+    opening = checked_messages(
+        await env_call(lambda: env.reset(task), "reset"), "env.reset's return"
+    )
+    episode.messages = list(opening)
+    episode.add_forced(codec.render_prompt(opening, env_property(env, "tool_specs")))
+    conversation = list(opening)  # what the tokens hold so far
+    while True:
+        if episode.num_turns >= limits.max_turns:
+            episode.truncation = TruncationCause.MAX_TURNS
+            return
+        budget = limits.max_model_length - len(episode.tokens)
+        if budget < 1:
+            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+            return
+        max_tokens = min(limits.max_tokens_per_turn, budget)
+        turn_seed = params.seed if seed is None else derive_seed(seed, episode.num_turns)
+        turn_params = replace(params, max_tokens=max_tokens, seed=turn_seed)
+        (sampled,) = await runner.sampler.sample(episode.tokens, 1, turn_params)
+        episode.add_sampled(sampled)
+        episode.num_turns += 1
+        if sampled.stop_reason == "length" and max_tokens < limits.max_tokens_per_turn:
+            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+            return
+        episode.length_capped_turns += sampled.stop_reason == "length"
+        parsed = codec.parse(sampled.tokens)
+        if parsed.message is None:
+            episode.reward = limits.failed_parse_reward
+            episode.truncation = TruncationCause.PARSE_FAILURE
+            return
+        message = parsed.message
+        result = checked_step(await env_call(functools.partial(env.step, message), "step"))
+        returned = checked_messages(result.messages, "StepResult.messages")
+        conversation.append(message)
+        added = new_messages(conversation, returned)
+        _check_env_history(env_property(env, "messages"), returned)
+        episode.messages = list(returned)
+        episode.reward = float(result.reward)
+        episode.metrics = {key: float(value) for key, value in result.metrics.items()}
+        if result.terminated or result.truncated:
+            episode.truncation = None if result.terminated else TruncationCause.ENV
+            return
+        room = limits.max_model_length - len(episode.tokens)
+        if _surely_longer_than(added, room, codec):
+            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+            return
+        extension = codec.render_extension(added, sampled_tokens=sampled.tokens)
+        if len(episode.tokens) + len(extension) >= limits.max_model_length:
+            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+            return
+        episode.add_forced(extension)
+        conversation += added
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -145,35 +215,52 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _record(episode: Episode, result: StepResult) -> None:
-    episode.messages = list(result.messages)
-    episode.reward = float(result.reward)
-    episode.metrics = dict(result.metrics)
+def _check_env_history(history: Any, returned: list[Message]) -> None:
+    """``env.messages`` must tell the same conversation as the ``StepResult`` (the dump and
+    the training tokens come from the latter)."""
+    history = checked_messages(history, "env.messages")
+    roles = [message.get("role") for message in history]
+    if roles != [message.get("role") for message in returned]:
+        raise EnvFault(
+            f"env.messages ({len(history)} messages) differs from StepResult.messages "
+            f"({len(returned)}): return the same conversation from both"
+        )
 
 
-def _truncated(episode: Episode, cause: TruncationCause | None) -> Episode:
-    episode.truncation = cause
-    return episode
+def _surely_longer_than(messages: list[Message], room: int, codec: Codec) -> bool:
+    """Whether ``messages`` cannot fit ``room`` tokens, judged by their length in characters
+    alone (no token covers more characters than the longest in the vocabulary), so that a
+    huge tool result is not tokenized only to be thrown away."""
+    characters = sum(len(str(message.get("content") or "")) for message in messages)
+    return characters > room * _longest_token(codec.tokenizer)
 
 
-def _env_failed(episode: Episode, error: str) -> Episode:
-    episode.env_error = error
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer: Any) -> int:
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def _env_failed(episode: Episode, env: Env | None, fault: EnvFault, limits: EpisodeLimits) -> None:
+    where = f"{type(env).__name__}: " if env is not None else ""
+    if limits.env_errors == "raise":
+        raise EnvStepError(
+            f"{where}{fault} on task {episode.task.prompt!r}, turn {episode.num_turns}"
+        ) from fault
+    episode.env_error = f"{where}{fault}"
     episode.reward = 0.0
     episode.metrics = {}
-    return _truncated(episode, TruncationCause.ENV)
+    episode.truncation = TruncationCause.ENV
 
 
-async def _guarded(
-    call: Awaitable[T], limits: EpisodeLimits, task: Task, what: str, turn: int
-) -> T | str:
-    """The call's result; under ``env_errors="truncate"`` an error becomes its description."""
+async def _close(episode: Episode, env: Env, limits: EpisodeLimits) -> None:
+    """``env.close()``, once per episode; a failure gets the env error policy too (under
+    ``"truncate"`` it is recorded, and counted, as the episode's ``close_error``)."""
     try:
-        return await asyncio.wait_for(call, limits.env_step_timeout_s)
-    except Exception as exc:
-        if isinstance(exc, TimeoutError):
-            error = f"env.{what} timed out after {limits.env_step_timeout_s}s"
-        else:
-            error = f"env.{what} raised {exc!r}"
+        await call_env(env.close, "close", limits.env_step_timeout_s)
+    except EnvFault as fault:
         if limits.env_errors == "raise":
-            raise EnvStepError(f"{error} on task {task.prompt!r}, turn {turn}") from exc
-        return error
+            raise EnvStepError(
+                f"{type(env).__name__}: {fault} on task {episode.task.prompt!r}, "
+                f"turn {episode.num_turns}"
+            ) from fault
+        episode.close_error = str(fault)

@@ -6,6 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from post_training_cookbook.rollout.types import Episode
+from post_training_cookbook.types import Message
+
+MAX_CONTENT_CHARS = 20_000
+"""A message's content beyond this is cut in the record (a tool that returns a web page
+would otherwise make every rollout dump megabytes long); the tokens are kept whole."""
 
 
 def episode_record(episode: Episode) -> dict[str, Any]:
@@ -14,7 +19,7 @@ def episode_record(episode: Episode) -> dict[str, Any]:
     task = episode.task
     return {
         "task": {"prompt": task.prompt, "target": task.target, "metadata": task.metadata},
-        "messages": episode.messages,
+        "messages": [_bounded(message) for message in episode.messages],
         "reward": episode.reward,
         "truncation": episode.truncation.value if episode.truncation else None,
         "num_turns": episode.num_turns,
@@ -23,7 +28,17 @@ def episode_record(episode: Episode) -> dict[str, Any]:
         "length_capped_turns": episode.length_capped_turns,
         "metrics": episode.metrics,
         "env_error": episode.env_error,
+        "close_error": episode.close_error,
         "token_ids": episode.tokens,
         "mask": [int(bit) for bit in episode.mask],
         "versions": episode.versions,
     }
+
+
+def _bounded(message: Message) -> Message:
+    content = message.get("content")
+    if not isinstance(content, str) or len(content) <= MAX_CONTENT_CHARS:
+        return message
+    cut = len(content) - MAX_CONTENT_CHARS
+    shown = content[:MAX_CONTENT_CHARS] + f"…[{cut} more characters not shown]"
+    return {**message, "content": shown}

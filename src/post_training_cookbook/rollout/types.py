@@ -75,6 +75,8 @@ class Episode:
     env_error: str | None = None
     length_capped_turns: int = 0
     """Turns cut at ``max_tokens_per_turn`` (not counting a context-budget cut)."""
+    close_error: str | None = None
+    """``env.close()`` failed (under ``env_errors="truncate"``); the episode itself stands."""
 
     @property
     def terminated(self) -> bool:

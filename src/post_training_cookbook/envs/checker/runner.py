@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,8 +19,13 @@ from post_training_cookbook.envs.checker.checks import (
 )
 from post_training_cookbook.envs.checker.report import EnvCheckReport, _Findings, _Recorder
 from post_training_cookbook.envs.checker.scripts import _SCRIPTS, _ScriptContext
+from post_training_cookbook.rollout.guards import with_longest_stretch
 from post_training_cookbook.sync import run_sync
 from post_training_cookbook.types import Message
+
+BLOCKING_WARNING_S = 0.25
+"""An env call that runs this long without yielding gets a warning (an error past the
+step timeout): the training loop's other episodes wait for it."""
 
 
 def check_env(
@@ -80,6 +84,9 @@ async def acheck_env(
 def _build_env(
     env_factory: Callable[[Task], Env], task: Task, task_index: int, findings: _Findings
 ) -> Env | None:
+    mistake = _class_as_factory(env_factory)
+    if mistake:
+        findings.add("error", "env_factory", mistake, task_index)
     try:
         env = env_factory(task)
     except Exception as exc:
@@ -89,6 +96,27 @@ def _build_env(
         text = f"env_factory returned a {type(env).__name__}, which does not subclass Env"
         findings.add("warning", "env_factory", text, task_index)
     return env
+
+
+def _class_as_factory(env_factory: Callable[[Task], Env]) -> str | None:
+    """The env class passed where a factory was meant: ``env_factory(task)`` then hands the
+    Task to the class's first parameter (unless that parameter is meant to take one)."""
+    if not (inspect.isclass(env_factory) and issubclass(env_factory, Env)):
+        return None
+    try:
+        parameters = list(inspect.signature(env_factory).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    first = parameters[0] if parameters else None
+    if first is not None and (first.name == "task" or first.annotation in (Task, "Task")):
+        return None
+    name = env_factory.__name__
+    given = f"its first parameter {first.name!r}" if first else "a class that takes none"
+    return (
+        f"env_factory is the class {name} itself: the loop calls env_factory(task), which "
+        f"hands the Task to {given}; pass a factory that builds a fresh env, e.g. "
+        f"env_factory=lambda task: {name}()"
+    )
 
 
 class _Episode:
@@ -126,7 +154,6 @@ class _Episode:
     ) -> tuple[bool, Any]:
         """Await one env coroutine under the timeout: (True, value), or (False, None) after
         recording why it failed."""
-        began = time.monotonic()
         timeout = asyncio.timeout(self._timeout_s)
         try:
             awaitable = start()
@@ -137,7 +164,7 @@ class _Episode:
                 )
                 return False, None
             async with timeout:
-                value = await awaitable
+                value, blocked_s = await with_longest_stretch(awaitable)
         except Exception as exc:
             if isinstance(exc, TimeoutError) and timeout.expired():
                 limit = f"step_timeout_s={self._timeout_s:g}s"
@@ -148,13 +175,19 @@ class _Episode:
             else:
                 self._record.error(where, f"{what} raised {exc!r}; {consequence}")
             return False, None
-        elapsed = time.monotonic() - began
-        if elapsed > self._timeout_s:
-            self._record.error(
+        if blocked_s > min(self._timeout_s, BLOCKING_WARNING_S):
+            past_timeout = blocked_s > self._timeout_s
+            record = self._record.error if past_timeout else self._record.warn
+            bound = (
+                f"step_timeout_s={self._timeout_s:g}s"
+                if past_timeout
+                else (f"{BLOCKING_WARNING_S:g}s")
+            )
+            record(
                 where,
-                f"{what} ran past step_timeout_s={self._timeout_s:g}s without "
-                "yielding to the event loop (a blocking call in async code); "
-                "it stalls the training run",
+                f"{what} blocked the event loop for over {bound} without yielding (a "
+                "blocking call in async code, e.g. time.sleep or heavy work): every episode of "
+                "a training run waits meanwhile; await instead, or use asyncio.to_thread",
             )
         return True, value
 

@@ -17,8 +17,9 @@ def string_argument(arguments: str, name: str, tool: str) -> str:
     """The string argument ``name`` of a JSON-object ``arguments``, or a ``ValueError``."""
     try:
         parsed: Any = json.loads(arguments)
-    except (json.JSONDecodeError, TypeError) as exc:
-        raise ValueError(f"{tool}: arguments are not valid JSON ({exc})") from None
+    except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)[:200]
+        raise ValueError(f"{tool}: arguments are not valid JSON ({reason})") from None
     if not isinstance(parsed, dict) or not isinstance(parsed.get(name), str):
         raise ValueError(f'{tool}: expected arguments like {{"{name}": "..."}}')
     return str(parsed[name])

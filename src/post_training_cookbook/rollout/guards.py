@@ -1,0 +1,268 @@
+"""Env calls under guard, and the contract checks of what an env returns.
+
+Every ``reset``, ``step`` and ``close`` of an episode runs through ``call_env``, which turns
+whatever goes wrong into one ``EnvFault`` saying what happened: the env raised, ran past its
+timeout, or blocked the event loop. The rollout then applies the env error policy once.
+
+Two kinds of stuck env, and why each is caught here:
+- An env that ignores cancellation (swallows ``CancelledError``) would hang
+  ``asyncio.wait_for`` forever, which waits for the cancelled call to finish; ``call_env``
+  waits a short grace and then closes the env's coroutine.
+- An env that blocks the event loop (``time.sleep`` inside ``async def``, heavy work without
+  ``asyncio.to_thread``) cannot be interrupted: no timeout fires while the loop is blocked,
+  and every other episode waits. ``call_env`` measures the longest stretch the call ran
+  without yielding, and a stretch past the timeout makes the call an env error once it
+  returns; a watchdog thread names a call that stays blocked (``BlockWatch``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from typing import Any, TypeVar
+
+from post_training_cookbook.envs.base import StepResult
+from post_training_cookbook.types import Message
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+CANCEL_GRACE_S = 1.0
+"""How long a timed-out env call gets to honour its cancellation before it is left behind."""
+ROLES = ("system", "user", "assistant", "tool")
+AFTER_ASSISTANT_ROLES = ("tool", "user", "system")
+"""Roles an env may add after the assistant message it was given (never another assistant
+turn: the loop samples those)."""
+
+
+class EnvFault(Exception):
+    """An env call failed or an env broke its contract; the message says which and how."""
+
+
+class _Stretches:
+    """The longest stretch a coroutine ran without yielding to the event loop."""
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T], label: str) -> None:
+        self._coroutine = coroutine
+        self._label = label
+        self.longest_s = 0.0
+        self.abandoned = False
+        """Set when the call ignored its cancellation: the next cancellation closes the
+        env's coroutine instead of handing it over."""
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            started = time.perf_counter()
+            watch.enter(self._label, started)
+            try:
+                if error is None:
+                    yielded = self._coroutine.send(value)
+                else:
+                    yielded = self._coroutine.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                watch.leave()
+                self.longest_s = max(self.longest_s, time.perf_counter() - started)
+            try:
+                value, error = (yield yielded), None
+            except GeneratorExit:
+                self._coroutine.close()
+                raise
+            except BaseException as exc:  # cancellation included: hand it to the env
+                if self.abandoned:
+                    with contextlib.suppress(RuntimeError):  # it ignored GeneratorExit too
+                        self._coroutine.close()
+                    raise
+                value, error = None, exc
+
+
+async def _stretched(stretches: _Stretches) -> Any:
+    return await stretches
+
+
+async def with_longest_stretch(awaitable: Awaitable[T]) -> tuple[T, float]:
+    """The awaitable's value, and the longest it ran without yielding (``check_env``)."""
+    stretches = _Stretches(_as_coroutine(awaitable), "env call")
+    value: T = await stretches
+    return value, stretches.longest_s
+
+
+def _as_coroutine(awaitable: Awaitable[T]) -> Coroutine[Any, Any, T]:
+    if asyncio.iscoroutine(awaitable):
+        return awaitable
+
+    async def awaited() -> T:
+        return await awaitable
+
+    return awaited()
+
+
+async def call_env(
+    start: Callable[[], Any], what: str, timeout_s: float | None, label: str = ""
+) -> Any:
+    """The value of the env call ``start()`` (``env.step(message)``, ...), or ``EnvFault``.
+    ``label`` names the call for the watchdog (the task and turn)."""
+    try:
+        awaitable = start()
+    except Exception as exc:
+        raise EnvFault(f"env.{what} raised {exc!r}") from exc
+    if not inspect.isawaitable(awaitable):
+        got = type(awaitable).__name__
+        raise EnvFault(f"env.{what} returned a {got}, not an awaitable; define it with async def")
+    stretches = _Stretches(_as_coroutine(awaitable), label or f"env.{what}")
+    call = asyncio.ensure_future(_stretched(stretches))
+    try:
+        done, _ = await asyncio.wait({call}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        call.cancel()
+        raise
+    if timeout_s is not None and stretches.longest_s > timeout_s:
+        await _cancel(call, stretches)
+        raise EnvFault(
+            f"env.{what} blocked the event loop for {stretches.longest_s:.1f}s "
+            f"(env_step_timeout_s={timeout_s:g}): every episode waited for it; await instead "
+            "of blocking (asyncio.sleep, asyncio.to_thread for blocking work)"
+        )
+    if not done:
+        await _cancel(call, stretches)
+        raise EnvFault(f"env.{what} timed out after {timeout_s}s")
+    try:
+        return call.result()
+    except Exception as exc:
+        raise EnvFault(f"env.{what} raised {exc!r}") from exc
+
+
+async def _cancel(call: asyncio.Future[Any], stretches: _Stretches) -> None:
+    """Cancel a call that is still running. One that ignores its cancellation (swallows
+    ``CancelledError``) gets a grace period, then its coroutine is closed: nothing of it
+    stays behind to hang the event loop's shutdown."""
+    if call.done():
+        return
+    call.cancel()
+    finished, _ = await asyncio.wait({call}, timeout=CANCEL_GRACE_S)
+    if not finished:
+        log.warning("an env call ignored its cancellation; closing it: %r", call)
+        stretches.abandoned = True
+        call.cancel()
+        await asyncio.wait({call}, timeout=CANCEL_GRACE_S)
+
+
+class BlockWatch:
+    """Names an env call that has blocked its event loop's thread for a while, as it
+    happens (the call itself can only be judged once it returns). One daemon thread, started
+    on first use; each thread's current env stretch is a tuple read atomically."""
+
+    def __init__(self, report_after_s: float = 10.0) -> None:
+        self.report_after_s = report_after_s
+        self._current: dict[int, tuple[str, float]] = {}
+        self._reported: set[tuple[int, float]] = set()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def enter(self, label: str, started: float) -> None:
+        self._current[threading.get_ident()] = (label, started)
+        if self._thread is None:
+            self._start()
+
+    def leave(self) -> None:
+        self._current.pop(threading.get_ident(), None)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="BlockWatch", daemon=True)
+                self._thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.report_after_s / 2))
+            now = time.perf_counter()
+            for ident, (label, started) in list(self._current.items()):
+                if now - started > self.report_after_s and (ident, started) not in self._reported:
+                    self._reported.add((ident, started))
+                    log.warning(
+                        "%s has blocked the event loop for %.0fs: every episode waits for it",
+                        label,
+                        now - started,
+                    )
+
+
+watch = BlockWatch()
+
+
+# ---------------------------------------------------------------- what an env returns
+
+
+def checked_messages(value: Any, what: str) -> list[Message]:
+    """``value`` as a list of messages with known roles, or ``EnvFault``."""
+    if not isinstance(value, list):
+        raise EnvFault(f"{what} is a {type(value).__name__}, not a list of messages")
+    for index, message in enumerate(value):
+        if not isinstance(message, dict):
+            raise EnvFault(f"{what}[{index}] is a {type(message).__name__}, not a message")
+        role = message.get("role")
+        if role not in ROLES:
+            raise EnvFault(f"{what}[{index}] has role {role!r}; roles are {', '.join(ROLES)}")
+    return value
+
+
+def checked_step(result: Any) -> StepResult:
+    """``result`` of ``env.step`` with a finite numeric reward and numeric metrics."""
+    if not isinstance(result, StepResult):
+        raise EnvFault(f"env.step returned a {type(result).__name__}, not a StepResult")
+    if not _is_number(result.reward) or not math.isfinite(result.reward):
+        raise EnvFault(
+            f"env.step returned reward {result.reward!r}: a reward must be a finite number"
+        )
+    if not isinstance(result.metrics, dict):
+        raise EnvFault(f"env.step returned metrics of type {type(result.metrics).__name__}")
+    for key, value in result.metrics.items():
+        if not _is_number(value):
+            raise EnvFault(f"env.step returned metrics[{key!r}] = {value!r}, not a number")
+    return result
+
+
+def new_messages(known: Sequence[Message], returned: list[Message]) -> list[Message]:
+    """What ``env.step`` added after the assistant message, checked against the conversation
+    the loop has rendered so far (``known``, the assistant message last). The env must return
+    that conversation, then only non-assistant messages; anything else would train the model
+    on tokens that differ from the messages the env recorded."""
+    roles = [message.get("role") for message in returned[: len(known)]]
+    expected = [message.get("role") for message in known]
+    if roles != expected:
+        raise EnvFault(
+            f"env.step returned messages that do not continue the conversation: expected it "
+            f"to start with the {len(known)} messages so far (roles {expected}, the assistant "
+            f"message just sampled last), got roles {roles}; return the whole history with the "
+            "assistant message appended, then the tool results"
+        )
+    added = returned[len(known) :]
+    for message in added:
+        if message.get("role") not in AFTER_ASSISTANT_ROLES:
+            raise EnvFault(
+                f"env.step added a {message.get('role')!r} message after the assistant's; "
+                f"an env may add {', '.join(AFTER_ASSISTANT_ROLES)} messages (the loop samples "
+                "assistant turns)"
+            )
+    return added
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float)
+
+
+def env_property(env: Any, name: str) -> Any:
+    """``env.<name>`` (``tool_specs``, ``messages``), or ``EnvFault`` when it raises."""
+    try:
+        return getattr(env, name)
+    except Exception as exc:
+        raise EnvFault(f"env.{name} raised {exc!r}") from exc
