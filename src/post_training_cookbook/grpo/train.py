@@ -12,7 +12,6 @@ final model.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
@@ -27,7 +26,7 @@ from post_training_cookbook.grpo.runs import Run, RunDirectory
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.models.catalog import check_model_can_sample, resolve_model
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
-from post_training_cookbook.rollout import EpisodeRunner, check_episode_inputs
+from post_training_cookbook.rollout import EpisodeRunner, EpisodesInFlight, check_episode_inputs
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import check_service_spec, open_service
 from post_training_cookbook.sync import run_sync
@@ -130,7 +129,13 @@ async def open_run(
             config.wandb_project, name, str(directory.path), config.to_dict(), resume=config.resume
         )
         opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
-        opened.push_async_callback(_let_episodes_end, settings.episodes.env_step_timeout_s)
+        # After an error (the generators are closed by then): wait for the episodes still in
+        # flight, so that each closes its env. Their sampling fails at once; an env call still
+        # running gets its timeout twice (step, then close), or 60 s without one.
+        in_flight = EpisodesInFlight()
+        opened.push_async_callback(
+            in_flight.let_finish, 2 * (settings.episodes.env_step_timeout_s or 30.0)
+        )
         model = settings.service.model
         codec = load_codec(model, load_tokenizer(model))
         if service is None:
@@ -148,20 +153,10 @@ async def open_run(
             name=name,
             settings=settings,
             service=service,
-            episodes=EpisodeRunner(env_factory, service, codec, settings.episodes),
+            episodes=EpisodeRunner(env_factory, service, codec, settings.episodes, in_flight),
             train_params=replace(settings.train_sampling, stop_token_ids=stops),
             val_params=replace(settings.val_sampling, stop_token_ids=stops),
             directory=directory,
             log=RunLog(directory, wandb, progress),
             resumed=resumed,
         )
-
-
-async def _let_episodes_end(env_timeout_s: float | None) -> None:
-    """After an error (the generators are closed by now): wait for the episodes still in
-    flight, so that each closes its env. Left to ``asyncio.run``, they would be cancelled,
-    which can cut an env's ``close()`` short. Their sampling fails at once; an env call still
-    running gets its timeout (twice: ``step``, then ``close``), or 60 s without one."""
-    others = asyncio.all_tasks() - {asyncio.current_task()}
-    if others:
-        await asyncio.wait(others, timeout=2 * (env_timeout_s or 30.0))

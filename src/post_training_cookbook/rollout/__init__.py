@@ -18,6 +18,7 @@ from post_training_cookbook.rollout.metrics import (
 )
 from post_training_cookbook.rollout.play import (
     EpisodeRunner,
+    EpisodesInFlight,
     derive_seed,
     play_group,
     play_groups,
@@ -42,6 +43,7 @@ __all__ = [
     "Episode",
     "EpisodeLimits",
     "EpisodeRunner",
+    "EpisodesInFlight",
     "Group",
     "RewardOf",
     "Sampler",

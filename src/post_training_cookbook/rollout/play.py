@@ -50,6 +50,21 @@ if TYPE_CHECKING:
     from post_training_cookbook.codecs import Codec
 
 
+class EpisodesInFlight:
+    """The episodes being played, so that a run that stops on an error can let them end:
+    each then closes its env, where a cancellation could cut ``close()`` short."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.env_ids: set[int] = set()
+        """One env instance must not serve two episodes at once."""
+
+    async def let_finish(self, timeout_s: float) -> None:
+        others = self.tasks - {asyncio.current_task()}
+        if others:
+            await asyncio.wait(others, timeout=timeout_s)
+
+
 @dataclass(frozen=True)
 class EpisodeRunner:
     """Everything needed to play an episode, fixed once per run."""
@@ -58,8 +73,7 @@ class EpisodeRunner:
     sampler: Sampler
     codec: Codec
     limits: EpisodeLimits
-    _live_envs: set[int] = field(default_factory=set, compare=False, repr=False)
-    """Envs of episodes in flight, by id: one instance must not serve two episodes."""
+    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
 
     def build_env(self, task: Task) -> Env:
         """A fresh env for ``task``; ``EnvFault`` when the factory fails, ``ValueError`` when
@@ -75,16 +89,16 @@ class EpisodeRunner:
                 f"env_factory returned a {type(env).__name__}, not an Env (reset, step, "
                 "tool_specs, messages)"
             )
-        if id(env) in self._live_envs:
+        if id(env) in self.in_flight.env_ids:
             raise ValueError(
                 f"env_factory returned the same {type(env).__name__} instance for two episodes "
                 "in flight: build a fresh env per call, e.g. env_factory=lambda task: MyEnv()"
             )
-        self._live_envs.add(id(env))
+        self.in_flight.env_ids.add(id(env))
         return env
 
     def release_env(self, env: Env) -> None:
-        self._live_envs.discard(id(env))
+        self.in_flight.env_ids.discard(id(env))
 
 
 async def play_group(
@@ -133,15 +147,21 @@ async def run_episode(
     ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run."""
     episode = Episode(task, [], [], [], [])
     env: Env | None = None
+    this_task = asyncio.current_task()
+    if this_task is not None:
+        runner.in_flight.tasks.add(this_task)
     try:
         env = runner.build_env(task)
         await _play(episode, env, runner, params, seed)
     except EnvFault as fault:
         _env_failed(episode, env, fault, runner.limits)
     finally:
-        if env is not None:
-            runner.release_env(env)
-            await _close(episode, env, runner.limits)
+        try:
+            if env is not None:
+                runner.release_env(env)
+                await _close(episode, env, runner.limits)
+        finally:
+            runner.in_flight.tasks.discard(this_task)
     return episode
 
 
