@@ -31,6 +31,7 @@ from test_trainer import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from post_training_cookbook.service.logprobs import _Fp32Linear
 from post_training_cookbook.service.precision import MasterWeightAdamW
 from post_training_cookbook.service.trainer import Trainer
 from post_training_cookbook.service.types import LossConfig, TrainingSample
@@ -313,6 +314,64 @@ def test_bf16_weights_give_the_fp32_loss_and_gradients_within_bf16_rounding(
     assert (whole_bf16 - whole_fp32).norm() / whole_fp32.norm() < 2e-2
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_fp32_head_of_bf16_weights_is_a_plain_fp32_linear(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of 100 of 256 vocabulary rows (the last one short): logits and all three
+    gradients as ``F.linear`` on fp32 copies gives them, within fp32 rounding (1e-5)."""
+    monkeypatch.setattr(_Fp32Linear, "BLOCK", 100)
+    generator = torch.Generator().manual_seed(0)
+    rows, weight, bias = (
+        torch.randn(shape, generator=generator).to(device, torch.bfloat16)
+        for shape in ((9, HIDDEN), (VOCAB, HIDDEN), (VOCAB,))
+    )
+    upstream = torch.randn(9, VOCAB, generator=generator).to(device)
+    results = []
+    for linear in (_Fp32Linear.apply, plain_fp32_linear):
+        leaves = [t.clone().requires_grad_() for t in (rows, weight, bias)]
+        logits = linear(*leaves)
+        (logits * upstream).sum().backward()
+        results.append([logits.detach(), *(leaf.grad for leaf in leaves)])
+    ours, theirs = results
+    assert ours[0].dtype == torch.float32 and ours[1].dtype == torch.bfloat16
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def plain_fp32_linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(rows.float(), weight.float(), bias.float())
+
+
+class Fp32HeadCopies(TorchDispatchMode):
+    """Counts fp32 tensors of the head weight's shape that ops create."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+                self.count += tuple(tensor.shape) == (VOCAB, HIDDEN)
+        return out
+
+
+def test_bf16_lora_never_copies_the_head_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_Fp32Linear, "BLOCK", 64)
+    samples = make_samples(8)
+    for chunk in (None, 16):
+        trainer = make_trainer(True, precision="bf16", logprob_chunk_tokens=chunk)
+        with Fp32HeadCopies() as copies:
+            trainer.forward_backward(samples, GRPO)
+        assert copies.count == 0
+    monkeypatch.setattr(_Fp32Linear, "BLOCK", VOCAB)  # one block: the whole head, once a pass
+    with Fp32HeadCopies() as copies:
+        make_trainer(True, precision="bf16").forward_backward(samples, GRPO)
+    assert copies.count > 0
+
+
 def bytes_of(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -366,15 +425,16 @@ def test_bf16_weights_keep_updates_too_small_for_bf16_in_their_fp32_master() -> 
     assert (mastered.detach() < start).all()
 
 
-def test_master_weight_adamw_is_torch_adamw_on_fp32_parameters() -> None:
+@pytest.mark.parametrize("slice_size", [MasterWeightAdamW.SLICE, 8])
+def test_master_weight_adamw_is_torch_adamw_on_fp32_parameters(slice_size: int) -> None:
+    """Whole, or in slices of 8 of the 35 elements (the last one short)."""
     generator = torch.Generator().manual_seed(0)
     start = torch.randn(5, 7, generator=generator)
     ours, theirs = start.clone().requires_grad_(), start.clone().requires_grad_()
     settings: dict[str, Any] = {"lr": 1e-2, "betas": (0.8, 0.95), "weight_decay": 0.1}
-    pairs = [
-        (ours, MasterWeightAdamW([ours], **settings)),
-        (theirs, torch.optim.AdamW([theirs], foreach=False, **settings)),
-    ]
+    mastered = MasterWeightAdamW([ours], **settings)
+    mastered.SLICE = slice_size
+    pairs = [(ours, mastered), (theirs, torch.optim.AdamW([theirs], foreach=False, **settings))]
     for _ in range(5):
         grad = torch.randn(5, 7, generator=generator)
         for param, optimizer in pairs:

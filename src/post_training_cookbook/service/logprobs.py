@@ -191,12 +191,58 @@ def hidden_at_trained(model: PreTrainedModel, batch: MicroBatch) -> Tensor:
 def head_logits(model: PreTrainedModel, rows: Tensor) -> Tensor:
     """fp32 logits of hidden-state ``rows`` through the LM head. A plain linear head is
     applied in fp32 whatever its weights' dtype (bf16 logits are off by up to 1/256 of
-    their size); any other head module (e.g. a LoRA-wrapped one) as it is."""
+    their size, a few percent of a ratio); any other head module (e.g. a LoRA-wrapped one)
+    as it is."""
     head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
-        bias = None if head.bias is None else head.bias.float()
-        return torch.nn.functional.linear(rows.float(), head.weight.float(), bias)
-    return cast(Tensor, head(rows.to(head.weight.dtype))).float()
+    if type(head) is not torch.nn.Linear:
+        return cast(Tensor, head(rows.to(head.weight.dtype))).float()
+    if head.weight.dtype == torch.float32:
+        return torch.nn.functional.linear(rows.float(), head.weight, head.bias)
+    return cast(Tensor, _Fp32Linear.apply(rows, head.weight, head.bias))
+
+
+class _Fp32Linear(torch.autograd.Function):
+    """rows @ weightᵀ + bias in fp32 for a low-precision weight, upcasting ``BLOCK`` rows of
+    the weight at a time: an fp32 copy of a whole head (vocabulary × hidden, 2.5 GB for an
+    8B model) never exists, forward or backward. Gradients come back in the inputs' dtypes."""
+
+    BLOCK = 16384  # vocabulary rows upcast at once
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, rows: Tensor, weight: Tensor, bias: Tensor | None
+    ) -> Tensor:
+        ctx.save_for_backward(rows, weight, bias)  # type: ignore[arg-type]
+        rows32 = rows.float()
+        logits = rows32.new_empty(rows.shape[0], weight.shape[0])
+        for start in range(0, weight.shape[0], _Fp32Linear.BLOCK):
+            part = slice(start, start + _Fp32Linear.BLOCK)
+            logits[:, part] = rows32 @ weight[part].float().T
+        if bias is not None:
+            logits += bias.float()
+        return logits
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad_logits: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        rows, weight, bias = ctx.saved_tensors  # type: ignore[attr-defined]
+        needs_rows, needs_weight, needs_bias = ctx.needs_input_grad  # type: ignore[attr-defined]
+        rows32 = rows.float()
+        grad_rows = torch.zeros_like(rows32) if needs_rows else None
+        grad_weight = torch.empty_like(weight) if needs_weight else None
+        for start in range(0, weight.shape[0], _Fp32Linear.BLOCK):
+            part = slice(start, start + _Fp32Linear.BLOCK)
+            if grad_rows is not None:
+                grad_rows += grad_logits[:, part] @ weight[part].float()
+            if grad_weight is not None:
+                grad_weight[part] = grad_logits[:, part].T @ rows32
+        grad_bias = grad_logits.sum(0).to(bias.dtype) if needs_bias else None
+        return (
+            None if grad_rows is None else grad_rows.to(rows.dtype),
+            grad_weight,
+            grad_bias,
+        )
 
 
 def forward_logits_on_hidden(model: PreTrainedModel, rows: Tensor) -> Tensor:

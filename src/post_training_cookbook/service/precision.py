@@ -87,8 +87,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     continues from the masters, not from their bf16 roundings.
 
     Same update as ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected moments),
-    one parameter at a time so that only one fp32 gradient exists at once.
+    ``SLICE`` elements of one parameter at a time, so that the fp32 temporaries (the
+    gradient's upcast, the denominator) stay within a few hundred MB however large the
+    parameter (an untied 150k-token head is 600M elements).
     """
+
+    SLICE = 1 << 24
 
     def __init__(
         self,
@@ -108,23 +112,16 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
             for param in group["params"]:
                 if param.grad is None:
                     continue
                 state = self._state_of(param)
-                master, exp_avg, exp_avg_sq = state["master"], state["exp_avg"], state["exp_avg_sq"]
-                grad = param.grad.to(torch.float32)
                 state["step"] += 1
-                step = float(state["step"])
-                master.mul_(1 - lr * weight_decay)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step_size = lr / (1 - beta1**step)
-                denominator = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
-                master.addcdiv_(exp_avg, denominator, value=-step_size)
-                param.copy_(master)
+                parts = (param, param.grad, state["master"], state["exp_avg"], state["exp_avg_sq"])
+                flat = [t.view(-1) for t in parts]
+                for start in range(0, param.numel(), self.SLICE):
+                    window = [t[start : start + self.SLICE] for t in flat]
+                    _adamw_update(*window, step=float(state["step"]), group=group)
         return loss
 
     def _state_of(self, param: Tensor) -> dict[str, Tensor]:
@@ -146,3 +143,26 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if key != "step":
                     self.state[param][key] = value.to(param.device, torch.float32, copy=True)
+
+
+def _adamw_update(
+    weight: Tensor,
+    grad: Tensor,
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    *,
+    step: float,
+    group: dict[str, Any],
+) -> None:
+    """``torch.optim.AdamW``'s update of ``master`` (fp32) from ``grad``, rounded into
+    ``weight``; all five are the same slice of one parameter and its state."""
+    beta1, beta2 = group["betas"]
+    lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+    grad32 = grad.to(torch.float32)
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad32, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad32, grad32, value=1 - beta2)
+    denominator = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+    master.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1**step))
+    weight.copy_(master)
