@@ -101,9 +101,10 @@ class Trainer:
 
         Memory (formulas and a table per model size in ``docs/models.md``):
         ``gradient_checkpointing`` keeps only each decoder layer's input for backward and
-        recomputes the rest there (about one more forward of the decoder). Off by default:
-        the bundled model's activations are a few MB, and the recompute would cost time for
-        nothing; turn it on when activations, not weights, fill the device.
+        recomputes the rest there (one more forward of the decoder, about a third more
+        decoder time). Off by default: the bundled model's activations are under 1 GB even
+        for an 8192-token micro-batch, and on a CPU time, not memory, is short; turn it on
+        when activations fill the device (a 4B model's 8k-token micro-batch: ~57 GB).
         ``logprob_chunk_tokens`` is how many trained positions' vocabulary-sized tensors
         exist at once (None: a micro-batch's all at once); a micro-batch with more trained
         positions has its LM head recomputed per chunk in backward.
