@@ -89,7 +89,7 @@ def peak_bytes(shape: Shape, setting: Setting, tokens: int, trained: int) -> dic
         if not setting.bf16:  # autocast's bf16 copies of the weights, kept for backward
             activations += 2 * shape.decoder_params
     positions = trained if setting.chunk is None else min(trained, setting.chunk)
-    logits = 16 * shape.vocab * positions
+    logits = 12 * shape.vocab * positions
     terms = {
         "weights": weights, "gradients": gradients, "optimizer": optimizer,
         "activations": activations, "logits": logits,
