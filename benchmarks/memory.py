@@ -128,7 +128,9 @@ def reset_peak(device: torch.device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    clear_refs = Path("/proc/self/clear_refs")
+    if clear_refs.exists():  # Linux: "5" resets VmHWM to the current RSS
+        clear_refs.write_text("5")
 
 
 def peak_bytes(device: torch.device) -> int:
@@ -168,8 +170,10 @@ def measure(args: argparse.Namespace) -> Measurement:
 
 def run_variant(variant: str, argv: list[str]) -> Measurement:
     command = [sys.executable, __file__, *argv, "--variant", variant]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    return Measurement(**json.loads(out.strip().splitlines()[-1]))
+    child = subprocess.run(command, capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.exit(f"variant {variant!r} failed:\n{child.stderr[-4000:]}")
+    return Measurement(**json.loads(child.stdout.strip().splitlines()[-1]))
 
 
 def main() -> None:
