@@ -13,12 +13,8 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
-from post_training_cookbook.service.trainer import (
-    Trainer,
-    _logits_via_full_forward,
-    _logits_via_head,
-    bf16_autocast_is_fast,
-)
+from post_training_cookbook.service.precision import bf16_autocast_is_fast
+from post_training_cookbook.service.trainer import Trainer
 from post_training_cookbook.service.types import LossConfig, TrainingSample
 
 VOCAB = 256
@@ -103,7 +99,7 @@ def test_forward_matches_the_models_own_logits_on_trained_positions() -> None:
     trainer = make_trainer(False, copy.deepcopy(model), micro_batch_tokens=40)
     samples = make_samples()
     logprobs = trainer.forward(samples)
-    assert trainer._logits_at_trained is _logits_via_head
+    assert trainer._route == "head"
     for sample, row in zip(samples, logprobs, strict=True):
         assert len(row) == len(sample.tokens) and row[0] == 0.0
         assert row == pytest.approx(reference_logprobs(model.eval(), sample), abs=1e-5)
@@ -120,10 +116,10 @@ class ScaledLogitsQwen2(transformers.Qwen2ForCausalLM):
         return output
 
 
-def test_models_that_post_process_logits_fall_back_to_the_full_forward() -> None:
+def test_models_that_post_process_logits_take_their_own_forward_on_the_hidden_states() -> None:
     model = ScaledLogitsQwen2(tiny_model().config)
     trainer = make_trainer(False, copy.deepcopy(model))
-    assert trainer._logits_at_trained is _logits_via_full_forward
+    assert trainer._route == "forward_on_hidden"
     sample = make_samples(1)[0]
     assert trainer.forward([sample])[0] == pytest.approx(
         reference_logprobs(model.eval(), sample), abs=1e-5

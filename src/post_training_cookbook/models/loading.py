@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any, cast
+
 import torch
 from transformers import (
     AutoModelForCausalLM,
@@ -31,3 +35,30 @@ def load_model(info: ModelInfo, dtype: torch.dtype | str | None = None) -> PreTr
     if isinstance(chosen, str):
         chosen = getattr(torch, chosen)
     return AutoModelForCausalLM.from_pretrained(info.source, dtype=chosen)
+
+
+def load_causal_lm(
+    source: str | os.PathLike[str] | PreTrainedModel, dtype: torch.dtype
+) -> PreTrainedModel:
+    """A given model as it is (the trainer casts it); a path's in ``dtype``, whatever the
+    folder's own."""
+    if isinstance(source, PreTrainedModel):
+        return source
+    return cast(PreTrainedModel, AutoModelForCausalLM.from_pretrained(source, dtype=dtype))
+
+
+def load_tokenizer_if_any(source: str | os.PathLike[str] | PreTrainedModel) -> Any:
+    """The tokenizer saved with ``source`` (saved again with inference checkpoints), or None:
+    a given model has none, and a hub model may lack one."""
+    if isinstance(source, PreTrainedModel):
+        return None
+    folder = Path(source)
+    if folder.is_dir():
+        markers = ("tokenizer.json", "tokenizer_config.json")
+        if not any((folder / m).exists() for m in markers):
+            return None
+        return AutoTokenizer.from_pretrained(folder)
+    try:  # a hub id: the model came from there, the tokenizer may not exist
+        return AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError):
+        return None

@@ -1,9 +1,9 @@
 """Trainer checkpoints: the training checkpoint folder (weights, AdamW, RNG) and inference export.
 
 A training checkpoint folder holds the trainable weights (all of them, or the adapter), the
-AdamW state and the torch RNG states as safetensors files, and ``trainer_state.json`` (version,
-LoRA settings, parameter names, optimizer param groups), written last: without it the folder
-is an interrupted save.
+AdamW state (with bf16 precision, the fp32 master weights too) and the torch RNG states as
+safetensors files, and ``trainer_state.json`` (version, LoRA settings, precision, parameter
+names, optimizer param groups), written last: without it the folder is an interrupted save.
 """
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
+from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import PreTrainedModel
@@ -22,6 +23,40 @@ TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 RNG_FILE = "rng.safetensors"
 STATE_FILE = "trainer_state.json"
+
+
+class _LoraWeights(Protocol):
+    """What peft's LoRA Linear/Embedding/Conv layers share: B·A·scale for an adapter."""
+
+    def get_delta_weight(self, adapter: str) -> Tensor: ...
+
+
+@torch.no_grad()
+def inference_state_dict(model: torch.nn.Module, adapter: str) -> dict[str, Tensor]:
+    """Fresh copies of ``model``'s full weights under the base model's parameter names, each
+    LoRA-adapted weight as W + scale·B·A of ``adapter`` (nothing merged into ``model``).
+    Weights that share storage (tied embeddings) come back as one shared tensor."""
+    lora_layers = {
+        name: cast(_LoraWeights, module)
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+    copies: dict[tuple[int, tuple[int, ...]], Tensor] = {}  # one copy per shared storage
+    weights: dict[str, Tensor] = {}
+    for key, tensor in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if any(part.startswith("lora_") for part in key.split(".")):
+            continue
+        if owner.endswith(".base_layer"):
+            owner = owner.removesuffix(".base_layer")
+        storage_key = (tensor.data_ptr(), tuple(tensor.shape))
+        if storage_key not in copies:
+            merged = tensor.clone()
+            if owner in lora_layers and leaf == "weight":
+                merged += lora_layers[owner].get_delta_weight(adapter).to(merged.dtype)
+            copies[storage_key] = merged
+        weights[f"{owner}.{leaf}" if owner else leaf] = copies[storage_key]
+    return weights
 
 
 def save_inference_checkpoint(
@@ -47,6 +82,7 @@ def save_training_checkpoint(
     version: int,
     use_lora: bool,
     lora_settings: dict[str, Any],
+    precision: str,
 ) -> Path:
     """Write ``parameters`` (the trainable ones), ``optimizer``'s state and the RNG states."""
     folder = Path(path)
@@ -66,6 +102,7 @@ def save_training_checkpoint(
         "version": version,
         "use_lora": use_lora,
         "lora": lora_settings if use_lora else None,
+        "precision": precision,
         "parameter_names": names,
         "optimizer_param_groups": optimizer_state["param_groups"],
     }
@@ -85,12 +122,20 @@ def check_compatible(
     use_lora: bool,
     lora_settings: dict[str, Any],
     parameter_names: list[str],
+    precision: str | None,
 ) -> None:
-    """Raise ``ValueError`` unless the checkpoint was saved by a trainer set up like this one."""
+    """Raise ``ValueError`` unless the checkpoint was saved by a trainer set up like this one.
+    ``precision=None`` accepts any: weights load into either (the optimizer state does not)."""
     if meta["use_lora"] != use_lora:
         raise ValueError(f"checkpoint has use_lora={meta['use_lora']}, trainer has {use_lora}")
     if use_lora and meta["lora"] != lora_settings:
         raise ValueError(f"checkpoint LoRA {meta['lora']} != trainer's {lora_settings}")
+    saved_precision = meta.get("precision", "fp32")  # checkpoints before precision existed
+    if precision is not None and saved_precision != precision:
+        raise ValueError(
+            f"checkpoint has precision={saved_precision!r}, trainer has {precision!r}: "
+            "its optimizer state does not fit (load_optimizer=False loads the weights only)"
+        )
     if meta["parameter_names"] != parameter_names:
         raise ValueError("checkpoint's trainable parameters do not match this model's")
 

@@ -19,6 +19,10 @@ Backend = Literal["local", "ray"]
 GenerationEngine = Literal["torch", "vllm"]
 """The generators' sampling engine: ``LocalEngine`` or vLLM."""
 
+Precision = Literal["fp32", "bf16"]
+"""The trainer's weights: fp32 (with fp32 gradients and AdamW state), or bf16 weights and
+gradients with an fp32 master copy and moments in the optimizer (``service/precision.py``)."""
+
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
@@ -167,6 +171,10 @@ class TrainerSettings:
     max_grad_norm: float | None = 1.0
     """None turns clipping off."""
     micro_batch_tokens: int = 4096
+    gradient_checkpointing: bool = False
+    logprob_chunk_tokens: int | None = 1024
+    """Trained positions whose vocabulary-sized log-softmax exists at once (None: all)."""
+    precision: Precision = "fp32"
     reference_model: bool = False
     """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
     autocast_bf16: bool | None = None
