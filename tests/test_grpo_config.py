@@ -156,6 +156,9 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"seed": 2**70}, ["seed", "<= 9223372036854775807"]),
     ({"lora_rank": 10**7}, ["lora_rank", "<= 4096"]),
     ({"num_generator_replicas": 10**6}, ["num_generator_replicas", "<= 1024"]),
+    ({"logprob_chunk_tokens": 0}, ["logprob_chunk_tokens", ">= 1 or None"]),
+    ({"trainer_precision": "fp16"}, ["trainer_precision", "'bf16'"]),
+    ({"gradient_checkpointing": "yes"}, ["gradient_checkpointing", "bool"]),
 ]
 
 
@@ -260,6 +263,9 @@ def non_default_config() -> GRPOConfig:
         max_grad_norm=0.5,
         weight_decay=0.01,
         micro_batch_tokens=16384,
+        gradient_checkpointing=True,
+        logprob_chunk_tokens=None,
+        trainer_precision="bf16",
         max_steps_off_policy=2,
         groups_in_flight=6,
         weight_sync_type="pipeline",

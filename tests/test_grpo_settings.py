@@ -100,11 +100,13 @@ def test_the_service_spec_carries_typed_trainer_settings_and_placement() -> None
         use_lora=False, lora_rank=4, lora_alpha=8, lora_dropout=0.1, weight_decay=0.01,
         max_grad_norm=0.5, micro_batch_tokens=1024, kl_beta=0.1, seed=7,
         num_generator_replicas=2, dtype="bfloat16", max_steps_off_policy=1,
+        gradient_checkpointing=True, logprob_chunk_tokens=256, trainer_precision="bf16",
     )  # fmt: skip
     spec = settings.service
     assert spec.trainer == TrainerSettings(
         use_lora=False, lora_rank=4, lora_alpha=8, lora_dropout=0.1, weight_decay=0.01,
         max_grad_norm=0.5, micro_batch_tokens=1024, reference_model=True, seed=7,
+        gradient_checkpointing=True, logprob_chunk_tokens=256, precision="bf16",
     )  # fmt: skip
     assert (spec.backend, spec.num_generator_replicas, spec.dtype) == ("local", 2, "bfloat16")
     assert spec.overlapped  # async: the cores are split between trainer and generators
