@@ -158,6 +158,19 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"num_generator_replicas": 10**6}, ["num_generator_replicas", "<= 1024"]),
     ({"logprob_chunk_tokens": 0}, ["logprob_chunk_tokens", ">= 1 or None"]),
     ({"trainer_precision": "fp16"}, ["trainer_precision", "'bf16'"]),
+    ({"device": "gpu"}, ["device", "'cuda:N'", "'gpu'"]),
+    ({"device": "cuda", "backend": "ray"}, ['device applies to backend="local"']),
+    ({"num_gpus_per_trainer": 1.0}, ['num_gpus_per_trainer applies to backend="ray"']),
+    ({"vllm_max_num_seqs": 8}, ['vllm_max_num_seqs applies to generation_engine="vllm"']),
+    (
+        {"generation_engine": "vllm", "num_generator_replicas": 2},
+        ['with backend="local" takes num_generator_replicas=1'],
+    ),
+    (
+        {"generation_engine": "vllm", "backend": "ray", "vllm_tensor_parallel_size": 2},
+        ["vllm_tensor_parallel_size=2 needs as many GPUs", "num_gpus_per_generator=2"],
+    ),
+    ({"generation_engine": "vllm", "vllm_gpu_memory_utilization": 1.5}, ["(0, 1]"]),
     ({"gradient_checkpointing": "yes"}, ["gradient_checkpointing", "bool"]),
 ]
 
@@ -274,6 +287,12 @@ def non_default_config() -> GRPOConfig:
         generation_engine="vllm",
         ray_address="127.0.0.1:6379",
         weight_sync_timeout_s=30.0,
+        num_gpus_per_trainer=1.0,
+        num_gpus_per_generator=2.0,
+        vllm_tensor_parallel_size=2,
+        vllm_gpu_memory_utilization=0.8,
+        vllm_max_num_seqs=64,
+        vllm_enforce_eager=False,
         run_name="my-run",
         runs_dir="elsewhere/runs",
         seed=7,
@@ -288,12 +307,26 @@ def non_default_config() -> GRPOConfig:
     )
 
 
+LOCAL_ONLY = {"device": "cuda:1"}
+"""Fields a Ray config cannot set: the round trips check them on a local variant."""
+
+
+def local_variant(config: GRPOConfig) -> GRPOConfig:
+    return dataclasses.replace(
+        config, backend="local", ray_address=None, num_gpus_per_trainer=0.0,
+        num_gpus_per_generator=0.0, vllm_tensor_parallel_size=1, num_generator_replicas=1,
+        **LOCAL_ONLY,
+    )  # fmt: skip
+
+
 def test_the_round_trip_config_sets_every_field_away_from_its_default() -> None:
     config = non_default_config()
     same_as_default = [
         f.name for f in dataclasses.fields(GRPOConfig) if getattr(config, f.name) == f.default
     ]
-    assert same_as_default == []
+    assert same_as_default == list(LOCAL_ONLY)
+    local, defaults = local_variant(config), GRPOConfig()
+    assert all(getattr(local, name) != getattr(defaults, name) for name in LOCAL_ONLY)
 
 
 def test_a_yaml_round_trip_gives_an_equal_config(tmp_path: Path) -> None:
@@ -303,6 +336,8 @@ def test_a_yaml_round_trip_gives_an_equal_config(tmp_path: Path) -> None:
     assert "weight_sync_type: WEIGHT_SYNC_TYPE_PIPELINE" in text
     assert all(f"\n{name}:" in text for name in FIELD_NAMES)
     assert GRPOConfig.from_yaml(path) == config
+    local = local_variant(config)
+    assert GRPOConfig.from_yaml(local.to_yaml(tmp_path / "local.yaml")) == local
 
 
 def test_the_default_config_round_trips_through_yaml(tmp_path: Path) -> None:

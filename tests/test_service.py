@@ -169,7 +169,7 @@ def test_trainer_work_runs_on_one_trainer_thread_and_engines_take_half_the_threa
     service = make_service(model_dir, use_lora=False)
     threads: list[str] = []
     trainer = service.trainer
-    for name in ("forward", "forward_backward", "optim_step", "state_dict_for_inference"):
+    for name in ("forward", "forward_backward", "optim_step", "inference_tensors"):
         method = getattr(trainer, name)
 
         def recorded(*args, _method=method, **kwargs):

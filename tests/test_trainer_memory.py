@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from devices import DEVICES
 from test_trainer import (
     GRPO,
     VOCAB,
@@ -37,12 +38,6 @@ from post_training_cookbook.service.trainer import Trainer
 from post_training_cookbook.service.types import LossConfig, TrainingSample
 
 HIDDEN = 64  # tiny_model's hidden size
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-    ),
-]
 LOSS = LossConfig(loss_type="grpo", kl_beta=0.05, tis_cap=2.0)
 
 

@@ -64,6 +64,7 @@ def run_eval(args: argparse.Namespace) -> int:
             model, tasks, factory, settings,
             codec=codec, step=args.step, dtype=args.dtype, pass_k=args.pass_k, label=args.label,
             runs_dir=None if args.no_save else args.runs_dir, progress=sys.stderr.isatty(),
+            device=args.device,
         )  # fmt: skip
         results.append(asyncio.run(coroutine))
     if args.json:

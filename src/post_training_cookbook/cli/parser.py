@@ -157,6 +157,9 @@ def _add_eval(subparsers: Any) -> None:
     )
     parser.add_argument("--codec", help="codec name (default: the catalog's or the run's)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="sampling dtype")
+    parser.add_argument(
+        "--device", default="auto", help="where to sample: auto (CUDA when present), cpu, cuda:N"
+    )
     parser.add_argument("--label", default="eval", help="output folder: eval_LABEL_MODEL_TIME")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="(default: runs)")
     parser.add_argument("--no-save", action="store_true", help="write no output folder")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import inspect
+from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -349,9 +349,12 @@ class Decoder:
         del self.rows[self.batch.rows :]
 
 
-def inference_copy(model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device) -> Any:
-    """A private eval-mode copy: merged if PEFT, cast, no grads, decode-friendly attention."""
-    engine_model: Any = copy.deepcopy(model)
+def inference_copy(
+    model: torch.nn.Module, dtype: torch.dtype | None, device: torch.device, copy: bool = True
+) -> Any:
+    """A private eval-mode copy (``copy=False``: ``model`` itself, converted in place):
+    merged if PEFT, cast, no grads, decode-friendly attention."""
+    engine_model: Any = deepcopy(model) if copy else model
     if hasattr(engine_model, "merge_and_unload"):
         engine_model = engine_model.merge_and_unload()
     layer_types = getattr(engine_model.config, "layer_types", None) or []

@@ -61,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -101,7 +101,9 @@ class LocalEngine:
     the policy version of ``model``'s weights (not 0 when a run resumes); ``num_threads`` sets
     the worker's intra-op threads (None: torch's count; see Threads above); ``native_kernels``
     lets decode steps on CPU use the native attention kernel (``engine/native``: built on first
-    use, about 30 s once per machine; without a compiler the engine falls back to torch's ops).
+    use, about 30 s once per machine; without a compiler the engine falls back to torch's ops);
+    ``copy_model=False`` makes ``model`` itself the engine's copy (cast and moved in place), for
+    a caller that loaded it for the engine alone.
     """
 
     def __init__(
@@ -115,6 +117,7 @@ class LocalEngine:
         version: int = 0,
         num_threads: int | None = None,
         native_kernels: bool = True,
+        copy_model: bool = True,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -122,10 +125,11 @@ class LocalEngine:
             raise ValueError(f"prefix_cache_size must be >= 0, got {prefix_cache_size}")
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
-        engine_model = inference_copy(model, dtype, torch.device(device))
+        engine_model = inference_copy(model, dtype, torch.device(device), copy=copy_model)
         self._decoder = Decoder(engine_model, prefix_cache_size, version, native_kernels)
         self._vocab_size: int = engine_model.get_input_embeddings().num_embeddings
         self._tensors = dict(engine_model.state_dict())  # names, shapes, dtypes, tied storage
+        self._dtype: torch.dtype = engine_model.get_input_embeddings().weight.dtype
         self._max_batch_size = max_batch_size
         self._latest_version = version  # of the latest update asked for, applied or not
         self._cv = threading.Condition()  # guards everything below
@@ -157,6 +161,11 @@ class LocalEngine:
         return self._decoder.version
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the engine's weights."""
+        return self._dtype
+
+    @property
     def num_threads(self) -> int:
         """Intra-op threads the worker computes with."""
         return self._worker_threads
@@ -181,9 +190,15 @@ class LocalEngine:
         return await request.future
 
     def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor], version: int, *, mode: WeightsMode = "drain"
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        mode: WeightsMode = "drain",
     ) -> None:
-        """Queue full replacement weights (``load_state_dict`` names, tied copies optional).
+        """Queue full replacement weights (``load_state_dict`` names, tied copies optional):
+        a mapping, or (name, tensor) pairs that may come one at a time (a trainer merging
+        its weights layer by layer), each copied as it comes.
 
         Thread-safe; returns once the tensors are copied, which takes a while for a big model:
         from a coroutine, call it through ``asyncio.to_thread``. ``version`` must increase.
@@ -191,7 +206,7 @@ class LocalEngine:
         if mode not in ("pipeline", "drain"):
             raise ValueError(f"mode must be 'pipeline' or 'drain', got {mode!r}")
         self._check_version(version)
-        tensors = self._copy_weights(state_dict)
+        tensors = self._copy_weights(weights.items() if isinstance(weights, Mapping) else weights)
         with self._cv:
             if self._closed:
                 raise RuntimeError(_CLOSED)
@@ -199,6 +214,9 @@ class LocalEngine:
             self._latest_version = version
             self._update = _WeightsUpdate(tensors, version, mode)
             self._cv.notify()
+
+    def release_memory(self) -> None:
+        """Nothing to release: the KV batch grows and shrinks with the live sequences."""
 
     async def wait_for_version(self, version: int) -> None:
         """Return once weights of ``version`` or newer are applied."""
@@ -253,19 +271,14 @@ class LocalEngine:
                 f"version must increase: got {version}, latest is {self._latest_version}"
             )
 
-    def _copy_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Validated copies in the engine's device and dtypes; a tied weight needs one name only."""
-        unexpected = sorted(set(state_dict) - set(self._tensors))
-        if unexpected:
-            raise ValueError(f"unexpected weights: {unexpected[:5]}")
-        given = {self._tensors[name].data_ptr() for name in state_dict}
-        missing = [name for name, t in self._tensors.items() if t.data_ptr() not in given]
-        if missing:
-            raise ValueError(f"missing weights (hand the full, merged state dict): {missing[:5]}")
         copies: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
-        for name, tensor in state_dict.items():
-            target = self._tensors[name]
+        for name, tensor in weights:
+            target = self._tensors.get(name)
+            if target is None:
+                raise ValueError(f"unexpected weight: {name}")
             if tensor.shape != target.shape:
                 raise ValueError(
                     f"{name}: shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
@@ -273,6 +286,9 @@ class LocalEngine:
             if target.data_ptr() not in seen:
                 seen.add(target.data_ptr())
                 copies[name] = tensor.detach().to(target.device, target.dtype, copy=True)
+        missing = [name for name, t in self._tensors.items() if t.data_ptr() not in seen]
+        if missing:
+            raise ValueError(f"missing weights (hand the full, merged state dict): {missing[:5]}")
         return copies
 
     def _request_close(self) -> None:

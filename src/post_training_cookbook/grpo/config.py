@@ -33,6 +33,7 @@ from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
     FITS_CONTEXT,
     IN_0_1,
+    IN_0_1_CLOSED,
     IN_FLIGHT_NEEDS_ASYNC,
     RAY_ADDRESS_NEEDS_RAY,
     TOP_P,
@@ -43,8 +44,11 @@ from post_training_cookbook.grpo.validation import (
     at_most,
     at_most_field,
     deferred_sync_needs_async,
+    device_name,
+    device_on_local,
     field_rules,
     folder_name,
+    gpus_on_ray,
     holds,
     is_async,
     is_int,
@@ -52,6 +56,7 @@ from post_training_cookbook.grpo.validation import (
     matches,
     non_negative,
     on_ray,
+    one_vllm_engine_per_process,
     only_when,
     only_with_dr_grpo,
     pipeline_needs_full_weight,
@@ -59,9 +64,10 @@ from post_training_cookbook.grpo.validation import (
     raise_if_any,
     resume_needs_run_name,
     setting,
+    tensor_parallel_fits,
     type_problem,
     unknown_key,
-    vllm_needs_ray,
+    vllm_only,
 )
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.rollout.types import EnvErrorPolicy
@@ -120,8 +126,12 @@ class GRPOConfig:
 
     # Model and LoRA
     dtype: Dtype | None = None
-    """Weights dtype. None takes the catalog's default for the model (float32 for the
-    bundled model), or a local folder's ``torch_dtype``."""
+    """The generators' weights dtype. None takes the catalog's default for the model
+    (float32 for the bundled model), or a local folder's ``torch_dtype``. The trainer's
+    weights follow ``trainer_precision``."""
+    device: str = setting("auto", device_name, device_on_local)
+    """Where the trainer and generators compute, together (``backend="local"``):
+    ``"auto"`` (CUDA when present, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     codec: str | None = None
     """Codec name (``"hermes"``, ``"qwen3"``). None takes the catalog's, or infers it from a
     local folder's chat template. Checked when the run builds its codec."""
@@ -222,12 +232,30 @@ class GRPOConfig:
     backend: Backend = "local"
     """Where the trainer and generators run: in this process, or as Ray actors (extra
     ``scale``; docs/scale_out.md)."""
-    generation_engine: GenerationEngine = setting("torch", vllm_needs_ray)
-    """The generators' sampling engine; ``"vllm"`` needs ``backend="ray"``."""
+    generation_engine: GenerationEngine = setting("torch", one_vllm_engine_per_process)
+    """The generators' sampling engine: ``"torch"`` (``LocalEngine``) or ``"vllm"`` (extra
+    ``scale``; with ``backend="local"`` one engine beside the trainer)."""
     ray_address: str | None = setting(None, only_when(on_ray, RAY_ADDRESS_NEEDS_RAY))
     """Ray cluster to join (``host:port``); None starts a local, loopback-only Ray."""
     weight_sync_timeout_s: float = setting(600.0, positive)
     """A weight publication that takes longer raises ``WeightSyncTimeoutError`` (Ray)."""
+    num_gpus_per_trainer: float = setting(0.0, non_negative, gpus_on_ray)
+    """Ray: GPUs reserved for the trainer actor (0: it computes on the CPU)."""
+    num_gpus_per_generator: float = setting(0.0, non_negative, gpus_on_ray)
+    """Ray: GPUs reserved for each generator actor (fractions share one GPU)."""
+
+    # vLLM (generation_engine="vllm"), passed to vllm.EngineArgs
+    vllm_tensor_parallel_size: int = setting(1, at_least(1), vllm_only, tensor_parallel_fits)
+    """GPUs each vLLM engine shards the model over."""
+    vllm_gpu_memory_utilization: float | None = setting(
+        None, holds(lambda v: v is None or 0 < v <= 1, IN_0_1_CLOSED), vllm_only
+    )
+    """Share of its GPU's memory a vLLM engine takes (weights and KV cache). None: vLLM's
+    default, or 0.5 beside the trainer on one GPU (``backend="local"``)."""
+    vllm_max_num_seqs: int | None = setting(None, at_least(1, or_none=True), vllm_only)
+    """Sequences a vLLM engine batches at once. None: vLLM's default."""
+    vllm_enforce_eager: bool = setting(True, vllm_only)
+    """Run vLLM without CUDA graphs (faster to start, slower to decode). False captures them."""
 
     # Runs and checkpoints
     run_name: str | None = setting(None, folder_name)

@@ -18,7 +18,12 @@ from post_training_cookbook.grpo.validation import loss_config_of
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.rollout import EpisodeLimits
 from post_training_cookbook.service.factory import ServiceSpec
-from post_training_cookbook.service.types import LossConfig, TrainerSettings, WeightSyncType
+from post_training_cookbook.service.types import (
+    LossConfig,
+    TrainerSettings,
+    VLLMSettings,
+    WeightSyncType,
+)
 
 _SHAPES: dict[str, Callable[[float], float]] = {
     "constant": lambda progress: 1.0,
@@ -178,6 +183,15 @@ class RunSettings:
                 max_model_length=config.max_model_length,
                 ray_address=config.ray_address,
                 weight_sync_timeout_s=config.weight_sync_timeout_s,
+                device=config.device,
+                num_gpus_per_trainer=config.num_gpus_per_trainer,
+                num_gpus_per_generator=config.num_gpus_per_generator,
+                vllm=VLLMSettings(
+                    tensor_parallel_size=config.vllm_tensor_parallel_size,
+                    gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                    max_num_seqs=config.vllm_max_num_seqs,
+                    enforce_eager=config.vllm_enforce_eager,
+                ),
                 overlapped=config.is_async,
             ),
             async_=async_settings,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 from collections.abc import Callable
 from pathlib import PurePath
@@ -100,6 +101,7 @@ WHY_GROUP = (
 )
 WHY_OFF_POLICY = "None keeps lockstep; 0 admits only groups started under the current policy"
 IN_0_1 = "{name} must be in [0, 1), got {value}"
+IN_0_1_CLOSED = "{name} must be in (0, 1] or None, got {value}"
 TOP_P = "{name} must be in (0, 1], got {value}; 1 turns it off"
 FITS_CONTEXT = ": lower max_tokens_per_turn or raise max_model_length"
 BUFFER_ADVICE = "; 0 turns the soft penalty off"
@@ -108,6 +110,7 @@ IN_FLIGHT_NEEDS_ASYNC = (
     "leave groups_in_flight=None"
 )
 RAY_ADDRESS_NEEDS_RAY = 'ray_address applies only to backend="ray"'
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _DEFERRED_SYNC = (
     WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH,
     WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE,
@@ -159,12 +162,52 @@ def pipeline_needs_full_weight(config: GRPOConfig, name: str, value: Any) -> str
     )
 
 
-def vllm_needs_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if value != "vllm" or on_ray(config):
+def one_vllm_engine_per_process(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value != "vllm" or on_ray(config) or config.num_generator_replicas == 1:
         return None
     return (
-        'generation_engine="vllm" requires backend="ray" (vLLM allows one engine per '
-        'process): set backend="ray" or use generation_engine="torch"'
+        f'generation_engine="vllm" with backend="local" takes num_generator_replicas=1, got '
+        f"{config.num_generator_replicas} (vLLM allows one engine per process): set "
+        'backend="ray" for several replicas'
+    )
+
+
+def device_name(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if DEVICE_PATTERN.fullmatch(value):
+        return None
+    return f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}"
+
+
+def device_on_local(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value == "auto" or not on_ray(config):
+        return None
+    return (
+        'device applies to backend="local"; Ray actors compute on the GPUs Ray gives them '
+        "(num_gpus_per_trainer, num_gpus_per_generator)"
+    )
+
+
+def gpus_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if not value or on_ray(config):
+        return None
+    return f'{name} applies to backend="ray"; with backend="local" set device instead'
+
+
+def vllm_only(config: GRPOConfig, name: str, value: Any) -> str | None:
+    defaults = {"vllm_tensor_parallel_size": 1, "vllm_enforce_eager": True}
+    if config.generation_engine == "vllm" or value in (None, defaults.get(name)):
+        return None
+    return f'{name} applies to generation_engine="vllm"'
+
+
+def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value > 1 and not on_ray(config):
+        return f'vllm_tensor_parallel_size={value} needs backend="ray" (a generator actor)'
+    if value <= 1 or config.num_gpus_per_generator >= value:
+        return None
+    return (
+        f"vllm_tensor_parallel_size={value} needs as many GPUs per generator: set "
+        f"num_gpus_per_generator={value} (got {config.num_gpus_per_generator})"
     )
 
 

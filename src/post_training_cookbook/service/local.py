@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, Protocol, TypeVar, cast
 
 import torch
+from transformers import PreTrainedModel
 
 from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
@@ -40,6 +41,7 @@ from post_training_cookbook.service.base import IdleClock, ModelService, PathLik
 from post_training_cookbook.service.trainer import Trainer
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
+    GenerationEngine,
     LossConfig,
     OptimStepResult,
     PolicyState,
@@ -50,6 +52,67 @@ from post_training_cookbook.service.types import (
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
+
+
+def _engine_weights(info: ModelInfo, trainer: Trainer, dtype: torch.dtype) -> PreTrainedModel:
+    """An engine's own model: loaded in the engine's dtype on the trainer's device, holding
+    the trainer's current (merged) weights, copied one weight at a time, so that no second
+    full-precision copy of the model exists beside the trainer's."""
+    model = load_model(info, dtype)
+    cast(torch.nn.Module, model).to(trainer.device)  # PreTrainedModel.to is mistyped
+    held = model.state_dict()
+    with torch.no_grad():
+        for names, tensor in trainer.inference_tensors(dtype):
+            for name in names:
+                held[name].copy_(tensor)
+    return model
+
+
+class Generator(Protocol):
+    """What the service needs of an engine: ``LocalEngine`` and ``VLLMEngine`` both are."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    async def sample(
+        self, prompt_tokens: list[int], n: int, params: SamplingParams
+    ) -> list[SampledSequence]: ...
+
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int, *, mode: WeightsMode
+    ) -> None: ...
+
+    async def wait_for_version(self, version: int) -> None: ...
+
+    def release_memory(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+def _vllm_engine(
+    info: ModelInfo,
+    trainer: Trainer,
+    dtype: torch.dtype,
+    options: Mapping[str, object] | None,
+    max_model_length: int | None,
+) -> Generator:
+    """One in-process vLLM engine beside the trainer, on its device. vLLM loads the weights
+    from ``info.source`` itself, in ``dtype``; they are the trainer's until its first step."""
+    from post_training_cookbook.engine.vllm import VLLMEngine
+
+    if trainer.device.type == "cuda":
+        torch.cuda.set_device(trainer.device)  # vLLM takes the current CUDA device
+    return VLLMEngine(
+        info.source,
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_length,
+        seed=0,
+        sleep_mode=trainer.device.type == "cuda",
+        engine_options=dict(options or {}),
+    )
 
 
 def default_engine_threads() -> int:
@@ -68,10 +131,18 @@ class LocalModelService(ModelService):
         max_batch_size: int = 64,
         engine_threads: int | None = None,
         trainer_threads: int | None = None,
+        generation_engine: GenerationEngine = "torch",
+        vllm_options: Mapping[str, object] | None = None,
+        max_model_length: int | None = None,
     ) -> None:
-        """Build it with ``create`` unless you already hold a ``Trainer``. ``engine_threads``:
-        each generator's intra-op threads (None: half of torch's count, at least 1);
-        ``trainer_threads``: the trainer thread's (None: torch's count)."""
+        """Build it with ``create`` unless you already hold a ``Trainer``. The generators sit
+        on the trainer's device. ``engine_threads``: each torch generator's intra-op threads
+        (None: half of torch's count, at least 1); ``trainer_threads``: the trainer thread's
+        (None: torch's count). ``generation_engine="vllm"``: one in-process vLLM engine
+        (``vllm_options`` go to ``vllm.EngineArgs``; ``max_model_length`` sizes its KV cache),
+        which frees its KV cache while the trainer steps where vLLM's sleep mode exists."""
+        if generation_engine == "vllm" and num_generator_replicas != 1:
+            raise ValueError("a local vLLM engine runs alone: num_generator_replicas must be 1")
         if num_generator_replicas < 1:
             raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
         counts = {"engine_threads": engine_threads, "trainer_threads": trainer_threads}
@@ -80,19 +151,24 @@ class LocalModelService(ModelService):
                 raise ValueError(f"{name} must be >= 1 or None, got {count}")
         self.info = info
         self.trainer = trainer
-        weights = load_model(info, torch.float32)
-        weights.load_state_dict(trainer.state_dict_for_inference(), strict=False)
-        threads = engine_threads or default_engine_threads()
-        self.engines = [
-            LocalEngine(
-                weights,
-                dtype=engine_dtype,
-                max_batch_size=max_batch_size,
-                version=trainer.version,
-                num_threads=threads,
-            )
-            for _ in range(num_generator_replicas)
-        ]
+        dtype = engine_dtype or torch.float32
+        self.engines: list[Generator]
+        if generation_engine == "vllm":
+            self.engines = [_vllm_engine(info, trainer, dtype, vllm_options, max_model_length)]
+        else:
+            threads = engine_threads or default_engine_threads()
+            self.engines = [
+                LocalEngine(
+                    _engine_weights(info, trainer, dtype),
+                    dtype=dtype,
+                    device=trainer.device,
+                    max_batch_size=max_batch_size,
+                    version=trainer.version,
+                    num_threads=threads,
+                    copy_model=False,
+                )
+                for _ in range(num_generator_replicas)
+            ]
         caller_threads = torch.get_num_threads()
         self._trainer_thread = ThreadPoolExecutor(
             max_workers=1,
@@ -122,6 +198,9 @@ class LocalModelService(ModelService):
         engine_dtype: torch.dtype | None = None,
         engine_threads: int | None = None,
         trainer_threads: int | None = None,
+        generation_engine: GenerationEngine = "torch",
+        vllm_options: Mapping[str, object] | None = None,
+        max_model_length: int | None = None,
     ) -> LocalModelService:
         """Load ``info``'s weights into a trainer built as ``trainer`` says, and generators."""
         return cls(
@@ -131,6 +210,9 @@ class LocalModelService(ModelService):
             engine_dtype=engine_dtype,
             engine_threads=engine_threads,
             trainer_threads=trainer_threads,
+            generation_engine=generation_engine,
+            vllm_options=vllm_options,
+            max_model_length=max_model_length,
         )
 
     async def sample(
@@ -153,6 +235,9 @@ class LocalModelService(ModelService):
     async def forward_backward(
         self, samples: Sequence[TrainingSample], loss: LossConfig
     ) -> ForwardBackwardResult:
+        if not any(self._in_flight):  # lockstep: nothing samples while the trainer steps
+            for engine in self.engines:
+                engine.release_memory()
         return await self._on_trainer(self.trainer.forward_backward, samples, loss)
 
     async def optim_step(self, learning_rate: float) -> OptimStepResult:
@@ -178,9 +263,10 @@ class LocalModelService(ModelService):
         return version
 
     def _hand_weights_to_engines(self, version: int, mode: WeightsMode) -> None:
-        state_dict = self.trainer.state_dict_for_inference()
         for engine in self.engines:
-            engine.update_weights(state_dict, version, mode=mode)
+            # merged one weight at a time, in the engine's dtype: no whole extra copy
+            tensors = self.trainer.inference_tensors(engine.dtype)
+            engine.update_weights(((names[0], t) for names, t in tensors), version, mode=mode)
 
     async def _until_applied(self, version: int) -> None:
         await asyncio.gather(*(engine.wait_for_version(version) for engine in self.engines))

@@ -109,7 +109,8 @@ class RayModelService(ModelService):
         startup_timeout_s: float = 900.0,
         max_model_len: int | None = None,
         num_cpus_per_actor: float = 1.0,
-        num_gpus_per_actor: float = 0.0,
+        num_gpus_per_trainer: float = 0.0,
+        num_gpus_per_generator: float = 0.0,
         lora_sync: Literal["adapter", "merged"] | None = None,
         vllm_options: dict[str, Any] | None = None,
     ) -> RayModelService:
@@ -136,13 +137,17 @@ class RayModelService(ModelService):
             seed=trainer.seed or 0,
             vllm_options=dict(vllm_options or {}),
             max_lora_rank=trainer.lora_rank if adapter_sync else None,
+            device="cuda" if num_gpus_per_generator > 0 else "cpu",
         )
         import ray
 
         owns_ray = _ensure_ray(ray_address, num_cpus_per_actor * (1 + num_generator_replicas))
-        resources = {"num_cpus": num_cpus_per_actor, "num_gpus": num_gpus_per_actor}
-        trainer_actor = ray.remote(TrainerWorker).options(**resources)
-        generator = ray.remote(GeneratorWorker).options(max_concurrency=10_000, **resources)
+        trainer_actor = ray.remote(TrainerWorker).options(
+            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_trainer
+        )
+        generator = ray.remote(GeneratorWorker).options(
+            max_concurrency=10_000, num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_generator
+        )
         actors: list[Any] = [trainer_actor.remote(info.source, trainer)]
         actors += [generator.remote(spec, i) for i in range(num_generator_replicas)]
         workers = await _wait_ready(actors, startup_timeout_s, owns_ray)

@@ -107,6 +107,8 @@ class EngineSpec:
     """vLLM only: the engine's context (None: the model's)."""
     max_batch_size: int = 64
     """torch engine only: live sequences per decode step."""
+    device: str = "cpu"
+    """torch engine only: ``"cuda"`` on an actor Ray gave a GPU (it sees that one alone)."""
     max_lora_rank: int | None = None
     """vLLM only: set for adapter-only LoRA sync (``GeneratorWorker.apply_adapter``)."""
     seed: int = 0
@@ -143,10 +145,12 @@ def build_engine(spec: EngineSpec) -> Any:
 
         from post_training_cookbook.engine.local import LocalEngine
 
-        model = AutoModelForCausalLM.from_pretrained(spec.source, dtype=torch.float32)
+        dtype = getattr(torch, spec.dtype)
+        model = AutoModelForCausalLM.from_pretrained(spec.source, dtype=dtype)
         return LocalEngine(
-            model, dtype=getattr(torch, spec.dtype), max_batch_size=spec.max_batch_size
-        )
+            model, dtype=dtype, device=spec.device, max_batch_size=spec.max_batch_size,
+            copy_model=False,
+        )  # fmt: skip
     raise ValueError(f"generation engine must be 'torch' or 'vllm', got {spec.kind!r}")
 
 

@@ -101,21 +101,14 @@ class Trainer:
         ``autocast_bf16=None`` turns bf16 autocast on where it is fast (with fp32 weights).
 
         Memory (formulas and a table per model size in ``docs/models.md``):
-        ``gradient_checkpointing`` keeps only each decoder layer's input for backward and
-        recomputes the rest there (one more forward of the decoder, about a third more
-        decoder time). Off by default: the bundled model's activations are under 1 GB even
-        for an 8192-token micro-batch, and on a CPU time, not memory, is short; turn it on
-        when activations fill the device (a 4B model's 8k-token micro-batch: ~57 GB).
-        ``logprob_chunk_tokens`` is how many trained positions' vocabulary-sized tensors
-        exist at once (None: a micro-batch's all at once); a micro-batch with more trained
-        positions has its LM head recomputed per chunk in backward.
-        ``precision``: ``"fp32"`` weights, gradients and AdamW state, or ``"bf16"`` weights
-        and gradients with an fp32 master copy and fp32 moments in the optimizer
-        (``precision.py`` says what each holds and why). ``reference_model``
+        ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
+        small models on a CPU are short of time, not memory); ``logprob_chunk_tokens`` is how
+        many trained positions' vocabulary-sized tensors exist at once (None: all);
+        ``precision`` is ``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master
+        copy and moments in the optimizer (``precision.py``). ``reference_model``
         keeps the initial policy for the KL term: a frozen copy for full weight, the base
-        with the adapter disabled for LoRA (no copy). ``tokenizer`` is only saved with
-        inference checkpoints; by default it is loaded from the model's path when present.
-        A given model is trained in place. ``forward_backward`` runs the model in train mode
+        with the adapter disabled for LoRA (no copy). ``tokenizer`` (default: the model
+        path's) is saved with inference checkpoints. ``forward_backward`` runs in train mode
         (LoRA dropout applies), ``forward`` in eval mode.
         """
         _check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
@@ -189,6 +182,7 @@ class Trainer:
             precision=settings.precision,
             reference_model=settings.reference_model,
             seed=settings.seed,
+            device=settings.device,
         )
 
     # ------------------------------------------------------------ properties
@@ -286,6 +280,12 @@ class Trainer:
         (``model.embed_tokens.weight`` and ``lm_head.weight``) as one shared tensor.
         """
         return checkpoints.inference_state_dict(self._causal_lm, ADAPTER_NAME)
+
+    def inference_tensors(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[list[str], Tensor]]:
+        """The merged weights one storage at a time, in ``dtype`` (``checkpoints``)."""
+        return checkpoints.inference_tensors(self._causal_lm, ADAPTER_NAME, dtype)
 
     def save_inference_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """A folder that ``AutoModelForCausalLM.from_pretrained`` loads (merged for LoRA),

@@ -157,6 +157,31 @@ class WeightSyncType(enum.Enum):
 
 
 @dataclass(frozen=True)
+class VLLMSettings:
+    """The vLLM engine options a run sets (``vllm.EngineArgs`` of the same names)."""
+
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    """None: vLLM's default (0.9), or 0.5 beside the trainer on one GPU."""
+    max_num_seqs: int | None = None
+    enforce_eager: bool = True
+
+    def engine_options(self, *, beside_trainer: bool) -> dict[str, object]:
+        """The options to hand vLLM; unset ones are left to vLLM."""
+        memory = self.gpu_memory_utilization
+        if memory is None and beside_trainer:
+            memory = 0.5
+        options: dict[str, object] = {"enforce_eager": self.enforce_eager}
+        if self.tensor_parallel_size > 1:
+            options["tensor_parallel_size"] = self.tensor_parallel_size
+        if memory is not None:
+            options["gpu_memory_utilization"] = memory
+        if self.max_num_seqs is not None:
+            options["max_num_seqs"] = self.max_num_seqs
+        return options
+
+
+@dataclass(frozen=True)
 class TrainerSettings:
     """How the trainer is built: what it trains and how it steps (``Trainer.from_settings``).
 
@@ -180,3 +205,5 @@ class TrainerSettings:
     autocast_bf16: bool | None = None
     """None: bf16 autocast where the hardware makes it fast."""
     seed: int | None = None
+    device: str | None = None
+    """``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; None: CUDA when present, else the CPU."""
