@@ -70,6 +70,11 @@ REAL_TEMPLATES = {
         "55572b8d3c8342044e25874c73fe5234b661fa0a57a57f6ef75b58e03d7d959a",
         "google/gemma-4-E2B-it@4742fe8 (release)",
     ),
+    "nemotron_3_nano": (
+        "ab7813c3abdd9cb655905a410728b26c7884eca45ddfab8d9f931553485a7862",
+        "nvidia/NVIDIA-Nemotron-3-Nano",
+    ),
+    "glm4moe": ("44f815868bf02fa458dd2f741a338046f4bf45f398eb6d067766726b9d96cce3", "GLM-4-MoE"),
 }
 """The real templates the codec tests use as oracles, pinned by hash (TRL's README names
 each file's source repository and revision). TRL is a test-only dependency, installed

@@ -28,7 +28,14 @@ from test_codecs_common import (
     real_template,
 )
 
-from post_training_cookbook.codecs import Codec, get_codec, infer_codec, to_template_messages
+from post_training_cookbook.codecs import (
+    Codec,
+    TemplateCodec,
+    get_codec,
+    infer_codec,
+    to_template_messages,
+)
+from post_training_cookbook.codecs.template import template_messages
 from post_training_cookbook.types import Message, ToolSpec
 
 SIZES = [
@@ -43,8 +50,9 @@ THINK_BLOCK = re.compile(r"<\|im_start\|>assistant\n<think>\n.*?</think>\n\n", r
 def template_text(
     codec: Codec, messages: list[Message], tools: list[ToolSpec] | None, gen: bool, **kwargs: Any
 ) -> str:
+    convert = template_messages if isinstance(codec, TemplateCodec) else to_template_messages
     text = codec.tokenizer.apply_chat_template(
-        to_template_messages(messages),
+        convert(messages),
         tools=tools or None,
         add_generation_prompt=gen,
         tokenize=False,
@@ -59,9 +67,15 @@ def text_of(codec: Codec, ids: list[int]) -> str:
 
 
 def canonical_calls(message: Message) -> list[tuple[str, str]]:
-    """Each call's name and arguments, types kept apart (1, 1.0 and True print differently)."""
+    """Each call's name and arguments, types kept apart (1, 1.0 and True print differently).
+
+    Keys are sorted: some templates print arguments in sorted order (Gemma 4); whether the
+    order survives is checked by rendering the parsed message again."""
     return [
-        (call["function"]["name"], json.dumps(json.loads(call["function"]["arguments"])))
+        (
+            call["function"]["name"],
+            json.dumps(json.loads(call["function"]["arguments"]), sort_keys=True),
+        )
         for call in message.get("tool_calls") or []
     ]
 
@@ -70,12 +84,12 @@ def check_episode(
     codec: Codec,
     episode: tuple[list[Message], list[tuple[Message, list[Message]]], list[ToolSpec]],
     kwargs: dict[str, Any],
-    stop: str,
+    stops: tuple[str, ...],
     dropped_turns: Callable[[list[Message]], list[bool]] | None = None,
 ) -> None:
     """The properties above for one conversation.
 
-    ``stop``: the text that ends a sampled turn. ``dropped_turns(history)``: for each
+    ``stops``: the texts that end a sampled turn. ``dropped_turns(history)``: for each
     assistant turn, whether the template drops its ``<think>`` block from the history
     (None: the template keeps every turn as it was rendered).
     """
@@ -88,16 +102,24 @@ def check_episode(
     ids, mask = codec.render_conversation(messages, tools)
     assert text_of(codec, ids) == render(messages, False)
     runs = [text_of(codec, run) for run in masked_runs(ids, mask)]
-    assert len(runs) == sum(m["role"] == "assistant" for m in messages)
+    assistants = sum(m["role"] == "assistant" for m in messages)
+    if isinstance(codec, TemplateCodec):  # Gemma 4 runs consecutive assistant turns together
+        assert 1 <= len(runs) <= assistants
+    else:
+        assert len(runs) == assistants
 
     tokens = codec.render_prompt(opening, tools)
     assert text_of(codec, tokens) == render(opening, True)
     history = list(opening)
     for assistant, after in turns:
         prompt, rendered = render(history, True), render([*history, assistant], False)
-        generation_prompt = prompt.removeprefix(render(history, False))
-        start = rendered.rindex(generation_prompt) + len(generation_prompt)
-        sampled_text = rendered[start : rendered.index(stop, start) + len(stop)]
+        if rendered.startswith(prompt):
+            start = len(prompt)
+        else:  # the template re-rendered the turn before (Qwen3: two assistant turns in a row)
+            generation_prompt = prompt.removeprefix(render(history, False))
+            start = rendered.rindex(generation_prompt) + len(generation_prompt)
+        end = min((rendered.find(s, start) + len(s), s) for s in stops if s in rendered[start:])
+        sampled_text = rendered[start : end[0]]
         sampled = list(codec.tokenizer(sampled_text, add_special_tokens=False)["input_ids"])
         parsed = codec.parse(sampled, tools)
         assert parsed.message is not None, parsed.error
@@ -113,7 +135,8 @@ def check_episode(
             assert ours != expected
             assert drop_think_blocks(ours, dropped) == expected
     if not (dropped_turns and dropped_turns(messages)[-1]):
-        assert runs[-1] == sampled_text
+        assert runs[-1].endswith(sampled_text)  # ==, but for runs of assistant turns (Gemma 4)
+        assert runs[-1] == sampled_text or isinstance(codec, TemplateCodec)
 
 
 def drop_think_blocks(text: str, dropped: list[bool]) -> str:
@@ -162,7 +185,7 @@ def test_hermes_renders_like_the_real_qwen25_template(conversations):
     for_each_conversation(
         "qwen2.5",
         conversations,
-        lambda rng: check_episode(codec, random_episode(rng), {}, "<|im_end|>"),
+        lambda rng: check_episode(codec, random_episode(rng), {}, ("<|im_end|>",)),
     )
 
 
@@ -172,7 +195,7 @@ def test_qwen3_2507_renders_like_the_real_qwen3_instruct_2507_template(conversat
     for_each_conversation(
         "qwen3-2507",
         conversations,
-        lambda rng: check_episode(codec, random_episode(rng), {}, "<|im_end|>"),
+        lambda rng: check_episode(codec, random_episode(rng), {}, ("<|im_end|>",)),
     )
 
 
@@ -195,7 +218,7 @@ def test_qwen3_renders_like_the_real_qwen3_template(conversations):
         thinking = rng.random() < 0.5
         codec = get_codec("qwen3", tokenizer, enable_thinking=thinking)
         episode = random_episode(rng, reasoning=thinking)
-        check_episode(codec, episode, {"enable_thinking": thinking}, "<|im_end|>", qwen3_dropped)
+        check_episode(codec, episode, {"enable_thinking": thinking}, ("<|im_end|>",), qwen3_dropped)
 
     for_each_conversation("qwen3", conversations, check)
 
@@ -249,7 +272,7 @@ def test_the_xml_families_render_like_their_real_templates(name, conversations):
         episode = random_episode(
             rng, reasoning=thinking, typed=True, system_follow_ups=False, strip_content=False
         )
-        check_episode(codec, episode, chosen, "<|im_end|>", qwen35_dropped(preserve))
+        check_episode(codec, episode, chosen, ("<|im_end|>",), qwen35_dropped(preserve))
 
     for_each_conversation(name, conversations, check)
 
@@ -269,6 +292,6 @@ def test_the_llama_families_render_like_their_real_templates(name, template_file
         chosen = draw_options(rng, {"date_string": [None, "01 Jan 2025"]})
         codec = get_codec(name, tokenizer, **chosen)
         episode = random_episode(rng, max_calls=1, strip_content=False)
-        check_episode(codec, episode, chosen, "<|eot_id|>")
+        check_episode(codec, episode, chosen, ("<|eot_id|>",))
 
     for_each_conversation(name, conversations, check)

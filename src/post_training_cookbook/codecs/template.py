@@ -148,7 +148,7 @@ class TemplateCodec(Codec):
         self, messages: list[Message], tools: list[ToolSpec] | None, *, generation_prompt: bool
     ) -> str:
         text = self.tokenizer.apply_chat_template(
-            _with_thinking_alias(to_template_messages(messages)),
+            template_messages(messages),
             tools=cast(Any, tools or None),
             add_generation_prompt=generation_prompt,
             tokenize=False,
@@ -240,11 +240,12 @@ def _probe_call() -> Message:
     return Message(role="assistant", content="", tool_calls=[call])
 
 
-def _with_thinking_alias(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``reasoning_content`` also as ``thinking``, the field gpt-oss and LFM2 templates read."""
+def template_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """``to_template_messages``, with ``reasoning_content`` also as ``thinking``: the field
+    gpt-oss's and LFM2's templates read it from."""
     return [
         {**m, "thinking": m["reasoning_content"]} if "reasoning_content" in m else m
-        for m in messages
+        for m in to_template_messages(messages)
     ]
 
 
