@@ -261,8 +261,10 @@ class Trainer:
         adapter into the trainable model. Tied embeddings come back under both names
         (``model.embed_tokens.weight`` and ``lm_head.weight``) as one shared tensor.
         """
-        lora_layers = {
-            name: cast(_LoraWeights, module)
+        lora_layers = {  # (module, parameter) → its adapter; MoE experts: one per 3-D tensor
+            (_without_base_layers(name), getattr(module, "parameter_name", None) or "weight"): cast(
+                _LoraWeights, module
+            )
             for name, module in self._causal_lm.named_modules()
             if isinstance(module, LoraLayer)
         }
@@ -272,13 +274,12 @@ class Trainer:
             owner, _, leaf = key.rpartition(".")
             if any(part.startswith("lora_") for part in key.split(".")):
                 continue
-            if owner.endswith(".base_layer"):
-                owner = owner.removesuffix(".base_layer")
+            owner = _without_base_layers(owner)
             storage_key = (tensor.data_ptr(), tuple(tensor.shape))
             if storage_key not in copies:
                 merged = tensor.clone()
-                if owner in lora_layers and leaf == "weight":
-                    delta = lora_layers[owner].get_delta_weight(ADAPTER_NAME)
+                if (owner, leaf) in lora_layers:
+                    delta = lora_layers[owner, leaf].get_delta_weight(ADAPTER_NAME)
                     merged += delta.to(merged.dtype)
                 copies[storage_key] = merged
             weights[f"{owner}.{leaf}" if owner else leaf] = copies[storage_key]
@@ -400,6 +401,11 @@ class Trainer:
 
 
 # ---------------------------------------------------------------- module helpers
+
+
+def _without_base_layers(name: str) -> str:
+    """A module path without peft's ``base_layer`` wrappers (nested ones for MoE experts)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
 def _load_causal_lm(source: str | os.PathLike[str] | PreTrainedModel) -> PreTrainedModel:
