@@ -113,15 +113,14 @@ def within_gptoss(episode: Any) -> Any:
         calls = assistant.get("tool_calls") or []
         if calls and assistant.get("reasoning_content"):
             assistant["content"] = ""
-        if not calls:
-            after = [m for m in after if m["role"] != "tool"]
-        adapted.append((assistant, after))
+        adapted.append((assistant, after if calls else without_tools(after)))
     return opening, adapted, tools
 
 
 def within_gemma4(episode: Any) -> Any:
     """What Gemma 4's call format can print back unambiguously: no null values (it prints
-    ``None``) and nested object keys that are identifiers (it prints them unquoted)."""
+    ``None``) and nested object keys that are identifiers (it prints them unquoted); tool
+    results only after a call."""
 
     def printable(value: Any) -> Any:
         if value is None:
@@ -133,12 +132,19 @@ def within_gemma4(episode: Any) -> Any:
         return value
 
     opening, turns, tools = episode
-    for assistant, _ in turns:
+    adapted = []
+    for assistant, after in turns:
         for call in assistant.get("tool_calls") or []:
             arguments = json.loads(call["function"]["arguments"])
             arguments = {key: printable(value) for key, value in arguments.items()}
             call["function"]["arguments"] = json.dumps(arguments)
-    return opening, turns, tools
+        adapted.append((assistant, after if assistant.get("tool_calls") else without_tools(after)))
+    return opening, adapted, tools
+
+
+def without_tools(messages: list[Message]) -> list[Message]:
+    """Tool results answer calls: none after a turn that made no call."""
+    return [message for message in messages if message["role"] != "tool"]
 
 
 def check_or_refuse(codec: TemplateCodec, episode: Any, stops: tuple[str, ...]) -> bool:
