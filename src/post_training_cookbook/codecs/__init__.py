@@ -33,7 +33,10 @@ from post_training_cookbook.codecs.tool_calls import to_template_messages
 
 
 class Qwen3InstructCodec(HermesCodec):
-    """Qwen3-Instruct-2507: Qwen2.5's tool format without a default system prompt."""
+    """Qwen3-Instruct-2507: Qwen2.5's tool format without a default system prompt.
+
+    Like ``hermes``, its template never re-renders earlier turns: extension is exact.
+    """
 
     name = "qwen3-2507"
 
@@ -58,7 +61,8 @@ CODECS: dict[str, type[Codec]] = {
 
 
 def get_codec(name: str, tokenizer: PreTrainedTokenizerBase, **options: Any) -> Codec:
-    """The codec called ``name`` over ``tokenizer``; ``options`` go to its constructor.
+    """The codec called ``name`` over ``tokenizer``; ``options`` go to its constructor
+    (``enable_thinking`` ...: check a run's choices first with ``models.check_codec_options``).
 
     For ``hermes``, ``default_system`` is read from the tokenizer's chat template when
     not given (Qwen2.5's template has one, ``HERMES_CHAT_TEMPLATE`` has none).

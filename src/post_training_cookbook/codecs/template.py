@@ -129,16 +129,17 @@ class TemplateCodec(Codec):
         segments: list[Segment] = []
         position = 0
         for index, message in enumerate(messages):
-            if message["role"] != "assistant" or index == 0:
+            if message["role"] != "assistant" or index == 0:  # a first turn stays forced
                 continue
-            start = len(self._render(messages[:index], tools, generation_prompt=True))
-            end = len(self._through_turn(messages[: index + 1], tools)[0])
-            if not whole.startswith(self._render(messages[:index], tools, generation_prompt=True)):
-                raise self._not_prefix_preserving(["assistant"])
-            if not whole.startswith(self._through_turn(messages[: index + 1], tools)[0]):
-                raise self._not_prefix_preserving([m["role"] for m in messages[index + 1 :]])
-            segments += [(whole[position:start], False), (whole[start:end], True)]
-            position = end
+            prompt = self._render(messages[:index], tools, generation_prompt=True)
+            through, _ = self._through_turn(messages[: index + 1], tools)
+            if not (whole.startswith(prompt) and whole.startswith(through)):
+                raise self._not_prefix_preserving([m["role"] for m in messages[index:]])
+            segments += [
+                (whole[position : len(prompt)], False),
+                (whole[len(prompt) : len(through)], True),
+            ]
+            position = len(through)
         segments.append((whole[position:], False))
         return encode_segments(self.tokenizer, [s for s in segments if s[0]])
 
