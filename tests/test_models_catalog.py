@@ -79,12 +79,14 @@ def test_the_seeds_hybrid_attention_models_sample_through_vllm_only():
 def test_without_weights_the_seeds_models_fail_naming_the_model_and_how_to_provide_it(
     model, tmp_path, monkeypatch
 ):
-    import huggingface_hub
+    from huggingface_hub import constants
 
-    monkeypatch.setattr(huggingface_hub, "is_offline_mode", lambda: True)
+    # HF_HUB_OFFLINE=1 and an empty HF_HOME, as the hub reads them (at import, so patched)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     info = resolve_model(model)  # what a run with the seed's model id resolves first
     with pytest.raises(ValueError) as error:
-        require_weights(info, cache_dir=tmp_path)  # an empty Hugging Face cache, offline
+        require_weights(info)
     message = str(error.value)
     assert f"'{model}'" in message and "not available" in message
     assert f"hf download {model}" in message  # the download command
