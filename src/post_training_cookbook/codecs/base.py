@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import abc
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from transformers import PreTrainedTokenizerBase
 
@@ -44,6 +46,9 @@ class Codec(abc.ABC):
 
     name: str
     tokenizer: PreTrainedTokenizerBase
+    options: ClassVar[Mapping[str, tuple[object, ...]]] = {}
+    """The template switches a run may set (``enable_thinking`` ...), each with its allowed
+    values; ``models.check_codec_options`` checks a config's choices against them."""
 
     @property
     @abc.abstractmethod
@@ -67,8 +72,15 @@ class Codec(abc.ABC):
         """
 
     @abc.abstractmethod
-    def parse(self, sampled_tokens: list[int]) -> ParsedMessage:
-        """The assistant message in ``sampled_tokens``; never raises on model output."""
+    def parse(
+        self, sampled_tokens: list[int], tools: list[ToolSpec] | None = None
+    ) -> ParsedMessage:
+        """The assistant message in ``sampled_tokens``; never raises on model output.
+
+        ``tools``: the tool schemas the prompt showed. Formats that print argument values as
+        bare text (the XML calls of Qwen3.5 and later) need them to type each value; without
+        them a value that reads as JSON is taken as JSON. JSON formats ignore them.
+        """
 
     @abc.abstractmethod
     def render_conversation(

@@ -21,6 +21,7 @@ template's rendering of the whole conversation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.resources import files
 
 from transformers import PreTrainedTokenizerBase
@@ -148,18 +149,12 @@ class HermesCodec(Codec):
         tokens = self._encode("\n" + _join(segments) + self._generation_prompt())
         return tokens if closed else [self._im_end_id, *tokens]
 
-    def parse(self, sampled_tokens: list[int]) -> ParsedMessage:
-        if sampled_tokens and sampled_tokens[-1] in self._stop_token_ids:
-            sampled_tokens = sampled_tokens[:-1]
-        text = str(
-            self.tokenizer.decode(
-                sampled_tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
+    def parse(
+        self, sampled_tokens: list[int], tools: list[ToolSpec] | None = None
+    ) -> ParsedMessage:
+        return parse_guarded(
+            self.tokenizer, sampled_tokens, self._stop_token_ids, tools, self._parse_text
         )
-        try:
-            return ParsedMessage(self._parse_text(text))
-        except ParseError as error:
-            return ParsedMessage(None, str(error))
 
     def render_conversation(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
@@ -208,7 +203,7 @@ class HermesCodec(Codec):
     def _generation_prompt(self) -> str:
         return f"{IM_START}assistant\n"
 
-    def _parse_text(self, text: str) -> Message:
+    def _parse_text(self, text: str, tools: list[ToolSpec] | None) -> Message:
         content, calls = split_tagged_calls(text)
         if not calls and self.lenient_json:
             content, calls = split_bare_json_calls(content)
@@ -219,6 +214,33 @@ class HermesCodec(Codec):
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def parse_guarded(
+    tokenizer: PreTrainedTokenizerBase,
+    sampled_tokens: list[int],
+    stop_token_ids: tuple[int, ...],
+    tools: list[ToolSpec] | None,
+    parse_text: Callable[[str, list[ToolSpec] | None], Message],
+) -> ParsedMessage:
+    """``parse_text`` of the decoded sample (its stop token dropped); failures, never raises.
+
+    Model output can be anything: ids outside the vocabulary, JSON nested past the recursion
+    limit, integers too long to convert. All of them are a failed parse, not an exception.
+    """
+    if sampled_tokens and sampled_tokens[-1] in stop_token_ids:
+        sampled_tokens = sampled_tokens[:-1]
+    try:
+        text = str(
+            tokenizer.decode(
+                sampled_tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False
+            )
+        )
+        return ParsedMessage(parse_text(text, tools))
+    except ParseError as error:
+        return ParsedMessage(None, str(error))
+    except (ValueError, RecursionError, OverflowError, TypeError, IndexError) as error:
+        return ParsedMessage(None, f"unparseable sample ({type(error).__name__}: {error})")
 
 
 def _join(segments: list[Segment]) -> str:

@@ -44,7 +44,7 @@ from post_training_cookbook.codecs.hermes import (
     text_of,
 )
 from post_training_cookbook.codecs.tool_calls import ParseError
-from post_training_cookbook.types import Message
+from post_training_cookbook.types import Message, ToolSpec
 
 QWEN3_CHAT_TEMPLATE: str = (
     files("post_training_cookbook.codecs").joinpath("templates/qwen3.jinja").read_text("utf-8")
@@ -60,6 +60,7 @@ class Qwen3Codec(HermesCodec):
     """Qwen3's format; ``enable_thinking=False`` forces the empty think block in each prompt."""
 
     name = "qwen3"
+    options = {"enable_thinking": (True, False)}
 
     def __init__(
         self,
@@ -92,9 +93,9 @@ class Qwen3Codec(HermesCodec):
     def _generation_prompt(self) -> str:
         return f"{IM_START}assistant\n" + ("" if self.enable_thinking else EMPTY_THINK)
 
-    def _parse_text(self, text: str) -> Message:
+    def _parse_text(self, text: str, tools: list[ToolSpec] | None) -> Message:
         reasoning, rest = _split_reasoning(text)
-        message = super()._parse_text(rest)
+        message = super()._parse_text(rest, tools)
         if reasoning is not None:
             message["reasoning_content"] = reasoning
         return message

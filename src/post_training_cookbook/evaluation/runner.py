@@ -208,7 +208,8 @@ async def _play(
     from post_training_cookbook.engine.types import SamplingParams
     from post_training_cookbook.models.loading import load_codec
 
-    codec = load_codec(model.tokenizer_info)
+    options = model.run_config.codec_options() if model.run_config is not None else None
+    codec = load_codec(model.tokenizer_info, options=options)
     engine_dtype = getattr(torch, dtype or model.dtype)
     engine = LocalEngine(
         load_eval_weights(model, engine_dtype),

@@ -133,8 +133,18 @@ class GRPOConfig:
     """Where the trainer and generators compute, together (``backend="local"``):
     ``"auto"`` (CUDA when present, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
     codec: str | None = None
-    """Codec name (``"hermes"``, ``"qwen3"``). None takes the catalog's, or infers it from a
-    local folder's chat template. Checked when the run builds its codec."""
+    """Codec name (``"hermes"``, ``"qwen3.8"``, ``"template"`` ...; docs/models.md). None takes
+    the catalog's, or infers it from a local folder's chat template."""
+    enable_thinking: bool | None = None
+    """Thinking on or off, for codecs that have it (qwen3, qwen3.5, qwen3.6, qwen3.8; the
+    template codec if its template reads it). None: the codec's default. Off forces an empty
+    ``<think></think>`` block into each prompt. Checked against the codec before loading."""
+    preserve_thinking: bool | None = None
+    """Keep earlier turns' reasoning in the rendered history (qwen3.6: default off; qwen3.8:
+    default on). None: the codec's default. Checked against the codec before loading."""
+    reasoning_effort: str | None = None
+    """Qwen3.8's reasoning effort (``"xhigh"``, its default, or ``"medium"``, ``"low"``), or
+    a template codec's. None: the codec's default. Checked against the codec before loading."""
     lora_rank: int = setting(16, at_least(1), at_most(4096, "LoRA ranks are tens to hundreds"))
     """LoRA rank r (with ``use_lora``)."""
     lora_alpha: int = setting(32, at_least(1))
@@ -232,9 +242,12 @@ class GRPOConfig:
     backend: Backend = "local"
     """Where the trainer and generators run: in this process, or as Ray actors (extra
     ``scale``; docs/scale_out.md)."""
-    generation_engine: GenerationEngine = setting("torch", one_vllm_engine_per_process)
-    """The generators' sampling engine: ``"torch"`` (``LocalEngine``) or ``"vllm"`` (extra
-    ``scale``; with ``backend="local"`` one engine beside the trainer)."""
+    generation_engine: GenerationEngine | Literal["auto"] = setting(
+        "auto", one_vllm_engine_per_process
+    )
+    """The generators' sampling engine: ``"torch"`` (``LocalEngine``), ``"vllm"`` (extra
+    ``scale``; with ``backend="local"`` one engine beside the trainer), or ``"auto"``: the
+    catalog's first engine for the model (torch where it can sample it, else vLLM)."""
     ray_address: str | None = setting(None, only_when(on_ray, RAY_ADDRESS_NEEDS_RAY))
     """Ray cluster to join (``host:port``); None starts a local, loopback-only Ray."""
     weight_sync_timeout_s: float = setting(600.0, positive)
@@ -294,6 +307,14 @@ class GRPOConfig:
         raise_if_any(self._value_problems())
 
     # Derived values
+
+    def codec_options(self) -> dict[str, object]:
+        """The codec options the run asks for (None: the codec's default)."""
+        return {
+            "enable_thinking": self.enable_thinking,
+            "preserve_thinking": self.preserve_thinking,
+            "reasoning_effort": self.reasoning_effort,
+        }
 
     @property
     def is_async(self) -> bool:

@@ -15,7 +15,7 @@ from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
 from post_training_cookbook.grpo.config import GRPOConfig, LRSchedule
 from post_training_cookbook.grpo.validation import loss_config_of
-from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.models.catalog import ModelInfo, check_codec_options
 from post_training_cookbook.rollout import EpisodeLimits
 from post_training_cookbook.service.factory import ServiceSpec
 from post_training_cookbook.service.types import (
@@ -112,6 +112,8 @@ class RunSettings:
     """Without stop tokens: the codec adds its own once it is loaded."""
     val_sampling: SamplingParams
     service: ServiceSpec
+    codec_options: dict[str, object]
+    """The codec options the run sets (``enable_thinking`` ...), checked against the codec."""
     async_: AsyncSettings | None
     """None: lockstep."""
 
@@ -137,6 +139,9 @@ class RunSettings:
             ),
             weight_sync_type=config.weight_sync_type,
         )
+        engine = config.generation_engine
+        if engine == "auto":
+            engine = "torch" if "torch" in model.engines else "vllm"
         async_settings = None
         if config.max_steps_off_policy is not None:
             async_settings = AsyncSettings(
@@ -177,7 +182,7 @@ class RunSettings:
                     seed=config.seed,
                 ),
                 backend=config.backend,
-                generation_engine=config.generation_engine,
+                generation_engine=engine,
                 num_generator_replicas=config.num_generator_replicas,
                 engine_dtype=config.dtype,
                 max_model_length=config.max_model_length,
@@ -194,8 +199,17 @@ class RunSettings:
                 ),
                 overlapped=config.is_async,
             ),
+            codec_options=_codec_options(config, model),
             async_=async_settings,
         )
+
+
+def _codec_options(config: GRPOConfig, model: ModelInfo) -> dict[str, object]:
+    """The run's codec options, checked against the model's codec before anything loads;
+    ``load_codec`` puts them on top of the catalog's."""
+    options = {name: value for name, value in config.codec_options().items() if value is not None}
+    check_codec_options(model, options)
+    return options
 
 
 def _sampling(config: GRPOConfig, temperature: float) -> SamplingParams:

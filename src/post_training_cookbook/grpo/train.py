@@ -24,7 +24,12 @@ from post_training_cookbook.grpo.lockstep import run_lockstep, validation_phase
 from post_training_cookbook.grpo.reporting import ConsoleProgress, RunLog, WandbLogger
 from post_training_cookbook.grpo.runs import Run, RunDirectory
 from post_training_cookbook.grpo.settings import RunSettings
-from post_training_cookbook.models.catalog import check_model_can_sample, resolve_model
+from post_training_cookbook.models.availability import require_weights
+from post_training_cookbook.models.catalog import (
+    check_model_can_sample,
+    require_engine_support,
+    resolve_model,
+)
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
 from post_training_cookbook.rollout import EpisodeRunner, EpisodesInFlight, check_episode_inputs
 from post_training_cookbook.service.base import ModelService
@@ -76,7 +81,9 @@ def _checked(
     info = resolve_model(config.model, codec=config.codec)
     check_model_can_sample(info, config.max_model_length)
     config = config.with_resolved_run_name()
-    settings = RunSettings.from_config(config, info)
+    settings = RunSettings.from_config(config, info)  # checks the codec options too
+    require_weights(info)
+    require_engine_support(info, settings.service.generation_engine)
     check_service_spec(settings.service)
     return config, settings
 
@@ -137,7 +144,7 @@ async def open_run(
             in_flight.let_finish, 2 * (settings.episodes.env_step_timeout_s or 30.0)
         )
         model = settings.service.model
-        codec = load_codec(model, load_tokenizer(model))
+        codec = load_codec(model, load_tokenizer(model), settings.codec_options)
         if service is None:
             service = await open_service(settings.service)
             opened.push_async_callback(service.close)

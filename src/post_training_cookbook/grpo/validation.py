@@ -195,9 +195,9 @@ def gpus_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
 
 def vllm_only(config: GRPOConfig, name: str, value: Any) -> str | None:
     defaults = {"vllm_tensor_parallel_size": 1, "vllm_enforce_eager": True}
-    if config.generation_engine == "vllm" or value in (None, defaults.get(name)):
+    if config.generation_engine in ("vllm", "auto") or value in (None, defaults.get(name)):
         return None
-    return f'{name} applies to generation_engine="vllm"'
+    return f'{name} applies to generation_engine="vllm" (or "auto" picking vLLM)'
 
 
 def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | None:

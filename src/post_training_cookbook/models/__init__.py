@@ -1,11 +1,15 @@
-"""The model catalog and the bundled model (see ``catalog``)."""
+"""The model catalog, the bundled model, and where weights come from (see ``catalog``)."""
 
+from post_training_cookbook.models.availability import WeightsSource, require_weights
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 from post_training_cookbook.models.catalog import (
     CATALOG,
     ModelInfo,
+    check_codec_options,
     check_model_can_sample,
+    infer_codec_name,
     list_models,
+    require_engine_support,
     require_generator_support,
     resolve_model,
 )
@@ -15,8 +19,13 @@ __all__ = [
     "BUNDLED_MODEL_ID",
     "CATALOG",
     "ModelInfo",
+    "WeightsSource",
+    "check_codec_options",
     "check_model_can_sample",
+    "infer_codec_name",
     "list_models",
+    "require_engine_support",
     "require_generator_support",
+    "require_weights",
     "resolve_model",
 ]

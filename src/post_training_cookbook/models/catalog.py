@@ -12,6 +12,7 @@ still be fine-tuned with ``post_training_cookbook.sft``.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 
 TRAINING_MODES = ("lora", "full")
+ENGINES = ("torch", "vllm")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,10 @@ class ModelInfo:
     codec_options: dict[str, Any] = field(default_factory=dict)
     trainer_only_reason: str = ""
     description: str = ""
+    engines: tuple[str, ...] = ENGINES
+    """The generation engines that can sample it (``GRPOConfig.generation_engine``). The
+    torch engine runs full-attention layers only, so hybrid linear-attention models (Qwen3.5
+    and later) sample through vLLM."""
 
     @property
     def trainer_only(self) -> bool:
@@ -47,6 +53,8 @@ class ModelInfo:
 
 
 _QWEN3_NOTE = "Qwen3: thinking on by default (codec option enable_thinking)"
+_HYBRID = "; hybrid Gated DeltaNet attention: samples through vLLM (generation_engine='vllm')"
+_LLAMA_NOTE = "gated on the hub: accept Meta's license, then set HF_TOKEN"
 CATALOG: dict[str, ModelInfo] = {
     info.model_id: info
     for info in [
@@ -70,8 +78,26 @@ CATALOG: dict[str, ModelInfo] = {
                   description=_QWEN3_NOTE),
         ModelInfo("Qwen/Qwen3-1.7B", "Qwen/Qwen3-1.7B", "qwen3", True, 40960,
                   description=_QWEN3_NOTE),
+        ModelInfo("Qwen/Qwen3-4B", "Qwen/Qwen3-4B", "qwen3", True, 40960,
+                  description=_QWEN3_NOTE),
         ModelInfo("Qwen/Qwen3-8B", "Qwen/Qwen3-8B", "qwen3", True, 40960,
                   description=_QWEN3_NOTE),
+        ModelInfo("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B-Instruct-2507", "qwen3-2507",
+                  True, 262144, description="Qwen3 instruct 2507: no thinking, Hermes tool calls"),
+        ModelInfo("Qwen/Qwen3.6-35B-A3B", "Qwen/Qwen3.6-35B-A3B", "qwen3.6", True, 262144,
+                  engines=("vllm",),
+                  description="Qwen3.6 mixture of experts (3B active), XML tool calls; codec "
+                  "options enable_thinking, preserve_thinking" + _HYBRID),
+        ModelInfo("Qwen/Qwen3.8-27B", "Qwen/Qwen3.8-27B", "qwen3.8", True, 262144,
+                  engines=("vllm",),
+                  description="Qwen3.8 dense, XML tool calls; codec options enable_thinking, "
+                  "preserve_thinking (on), reasoning_effort" + _HYBRID),
+        ModelInfo("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
+                  "llama3.1", True, 131072,
+                  description="Llama 3.1 instruct, one JSON tool call per turn; " + _LLAMA_NOTE),
+        ModelInfo("meta-llama/Llama-3.2-3B-Instruct", "meta-llama/Llama-3.2-3B-Instruct",
+                  "llama3.2", True, 131072,
+                  description="Llama 3.2 instruct, one JSON tool call per turn; " + _LLAMA_NOTE),
         ModelInfo(
             "HuggingFaceTB/SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
             None, False, 8192,
@@ -108,6 +134,15 @@ def resolve_model(model: str, *, codec: str | None = None) -> ModelInfo:
     return _local_model_info(folder, codec)
 
 
+def require_engine_support(info: ModelInfo, engine: str) -> None:
+    """Raise a ``ValueError`` naming the model when ``engine`` cannot sample it."""
+    if engine not in info.engines:
+        raise ValueError(
+            f"model {info.model_id!r} cannot sample with generation_engine={engine!r}; "
+            f"use one of {list(info.engines)}"
+        )
+
+
 def require_generator_support(info: ModelInfo) -> None:
     """Raise a ``ValueError`` naming the model when it cannot sample (GRPO needs that)."""
     if info.generator_support:
@@ -133,8 +168,15 @@ def check_model_can_sample(info: ModelInfo, max_model_length: int) -> None:
 def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
     config = json.loads((folder / "config.json").read_text())
     template = _chat_template_text(folder)
-    inferred = codec or _infer_codec_name(template)
-    reason = "" if inferred else "no codec given and none inferred from its chat template"
+    inferred = codec or infer_codec_name(template)
+    reason = (
+        ""
+        if inferred
+        else (
+            "no codec given and none inferred from its chat template; "
+            "codec='template' drives any template that renders tools"
+        )
+    )
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     return ModelInfo(
         model_id=str(folder),
@@ -161,12 +203,79 @@ def _chat_template_text(folder: Path) -> str:
     return ""
 
 
-def _infer_codec_name(template: str) -> str | None:
-    if "<think>" in template:
-        return "qwen3"
-    if "<tool_call>" in template:
-        return "hermes"
+def infer_codec_name(template: str) -> str | None:
+    """The family codec for a chat template, recognised by the text only that family has.
+
+    Templates that merely share a marker (Nemotron's XML calls, GLM's ``<tool_call>``) are
+    not recognised: they get no codec rather than one that renders something else.
+    """
+    chatml = "<|im_start|>" in template
+    if chatml and "<function=" in template and "vision_start" in template:
+        if "reasoning_effort" in template:
+            return "qwen3.8"
+        if "preserve_thinking" in template:
+            return "qwen3.6"
+        if "enable_thinking is defined and enable_thinking is true" in template:
+            return "qwen3.5-nothink"
+        return "qwen3.5"
+    if "Cutting Knowledge Date" in template and '"parameters": ' in template:
+        return "llama3.2" if "strftime_now" in template else "llama3.1"
+    if chatml and "<tool_call>" in template and '{"name": ' in template:
+        return "qwen3" if "<think>" in template else "hermes"
     return None
+
+
+def check_codec_options(info: ModelInfo, options: Mapping[str, object]) -> dict[str, object]:
+    """``info``'s codec options with ``options`` (a run's choices) on top, checked.
+
+    Raises a ``ValueError`` naming the model and codec for an option its codec does not have
+    (``reasoning_effort`` on Qwen3.6) or a value it does not take, before anything loads.
+    ``None`` values mean "the codec's default" and are dropped.
+    """
+    chosen = {name: value for name, value in options.items() if value is not None}
+    if not chosen:
+        return dict(info.codec_options)
+    if info.codec is None:
+        raise ValueError(
+            f"model {info.model_id!r} has no codec ({info.trainer_only_reason}), so codec "
+            f"options {sorted(chosen)} cannot apply; name a codec first"
+        )
+    from post_training_cookbook.codecs import CODECS
+
+    codec_class = CODECS.get(str(info.codec))
+    if codec_class is None:
+        raise ValueError(f"model {info.model_id!r}: unknown codec {info.codec!r}")
+    allowed = dict(codec_class.options)
+    if info.codec == "template":
+        allowed = _template_options(info)
+    for name, value in chosen.items():
+        if name not in allowed:
+            has = ", ".join(sorted(allowed)) or "none"
+            raise ValueError(
+                f"model {info.model_id!r} (codec {info.codec!r}) has no codec option {name!r}; "
+                f"its options: {has}"
+            )
+        if value not in allowed[name] or type(value) is not type(allowed[name][0]):
+            raise ValueError(
+                f"model {info.model_id!r} (codec {info.codec!r}): {name}={value!r} is not one "
+                f"of {list(allowed[name])}"
+            )
+    return {**info.codec_options, **chosen}
+
+
+TEMPLATE_OPTIONS: dict[str, tuple[object, ...]] = {
+    "enable_thinking": (True, False),
+    "preserve_thinking": (True, False),
+    "reasoning_effort": ("xhigh", "high", "medium", "low", "minimal", "none"),
+}
+"""What codec ``template`` passes to the chat template, where the template reads it."""
+
+
+def _template_options(info: ModelInfo) -> dict[str, tuple[object, ...]]:
+    template = _chat_template_text(Path(info.source)) if info.is_local else ""
+    if not template:  # a hub id: the template is unknown until the tokenizer loads
+        return TEMPLATE_OPTIONS
+    return {name: values for name, values in TEMPLATE_OPTIONS.items() if name in template}
 
 
 def _with(info: ModelInfo, **changes: Any) -> ModelInfo:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -15,18 +16,24 @@ from transformers import (
 )
 
 from post_training_cookbook.codecs import Codec, get_codec, infer_codec
-from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.models.catalog import ModelInfo, check_codec_options
 
 
 def load_tokenizer(info: ModelInfo) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(info.source)
 
 
-def load_codec(info: ModelInfo, tokenizer: PreTrainedTokenizerBase | None = None) -> Codec:
+def load_codec(
+    info: ModelInfo,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    options: Mapping[str, object] | None = None,
+) -> Codec:
+    """The model's codec; ``options`` (``enable_thinking`` ...) as ``check_codec_options`` takes."""
+    chosen = check_codec_options(info, options or {})
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(info)
     if info.codec is None:
-        return infer_codec(tokenizer)
-    return get_codec(info.codec, tokenizer, **info.codec_options)
+        return infer_codec(tokenizer, **chosen)
+    return get_codec(info.codec, tokenizer, **chosen)
 
 
 def load_model(info: ModelInfo, dtype: torch.dtype | str | None = None) -> PreTrainedModel:

@@ -180,7 +180,8 @@ async def _play(
         await env_call(lambda: env.reset(task), "reset"), "env.reset's return"
     )
     episode.messages = list(opening)
-    episode.add_forced(codec.render_prompt(opening, env_property(env, "tool_specs")))
+    tools = env_property(env, "tool_specs")
+    episode.add_forced(codec.render_prompt(opening, tools))
     conversation = list(opening)  # what the tokens hold so far
     while True:
         if episode.num_turns >= limits.max_turns:
@@ -200,7 +201,7 @@ async def _play(
             episode.truncation = TruncationCause.CONTEXT_OVERFLOW
             return
         episode.length_capped_turns += sampled.stop_reason == "length"
-        parsed = codec.parse(sampled.tokens)
+        parsed = codec.parse(sampled.tokens, tools)  # the schemas type the arguments
         if parsed.message is None:
             episode.reward = limits.failed_parse_reward
             episode.truncation = TruncationCause.PARSE_FAILURE

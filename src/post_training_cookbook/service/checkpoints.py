@@ -42,8 +42,10 @@ def inference_tensors(
 
     One weight is copied at a time, so a consumer that writes each into its own tensors
     (an engine) never needs a second whole copy of the model."""
-    lora_layers = {
-        name: cast(_LoraWeights, module)
+    lora_layers = {  # (module, parameter) → its adapter; MoE experts: one per 3-D tensor
+        (_without_base_layers(name), getattr(module, "parameter_name", None) or "weight"): cast(
+            _LoraWeights, module
+        )
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer)
     }
@@ -52,19 +54,24 @@ def inference_tensors(
         owner, _, leaf = key.rpartition(".")
         if any(part.startswith("lora_") for part in key.split(".")):
             continue
-        owner = owner.removesuffix(".base_layer")
+        owner = _without_base_layers(owner)
         storage = storages.setdefault(
             (tensor.data_ptr(), tuple(tensor.shape)), ([], tensor, owner, leaf)
         )
         storage[0].append(f"{owner}.{leaf}" if owner else leaf)
     with torch.no_grad():
         for names, tensor, owner, leaf in storages.values():
-            if owner in lora_layers and leaf == "weight":
-                delta = lora_layers[owner].get_delta_weight(adapter).to(tensor.dtype)
+            if (owner, leaf) in lora_layers:
+                delta = lora_layers[owner, leaf].get_delta_weight(adapter).to(tensor.dtype)
                 merged = tensor.detach() + delta  # a fresh tensor already
                 yield names, merged.to(dtype or merged.dtype)
             else:
                 yield names, tensor.detach().to(dtype or tensor.dtype, copy=True)
+
+
+def _without_base_layers(name: str) -> str:
+    """A module path without peft's ``base_layer`` wrappers (nested ones for MoE experts)."""
+    return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
 def inference_state_dict(model: torch.nn.Module, adapter: str) -> dict[str, Tensor]:

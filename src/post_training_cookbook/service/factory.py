@@ -59,7 +59,15 @@ class ServiceSpec:
             )
         local_vllm = self.generation_engine == "vllm" and self.backend == "local"
         if local_vllm and self.num_generator_replicas != 1:
-            raise ValueError('generation_engine="vllm" with backend="local" runs one engine')
+            raise ValueError(
+                f"{self.model.model_id} samples with vLLM, which runs one engine per process with "
+                f'backend="local": set num_generator_replicas=1 or backend="ray"'
+            )
+        if self.generation_engine == "torch" and self.vllm != VLLMSettings():
+            raise ValueError(
+                f"vllm_* settings apply to vLLM, but {self.model.model_id} samples with the "
+                "torch engine"
+            )
 
     @property
     def dtype(self) -> str:
