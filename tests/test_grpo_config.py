@@ -161,7 +161,10 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"device": "gpu"}, ["device", "'cuda:N'", "'gpu'"]),
     ({"device": "cuda", "backend": "ray"}, ['device applies to backend="local"']),
     ({"num_gpus_per_trainer": 1.0}, ['num_gpus_per_trainer applies to backend="ray"']),
-    ({"vllm_max_num_seqs": 8}, ['vllm_max_num_seqs applies to generation_engine="vllm"']),
+    (
+        {"generation_engine": "torch", "vllm_max_num_seqs": 8},
+        ['vllm_max_num_seqs applies to generation_engine="vllm"'],
+    ),
     (
         {"generation_engine": "vllm", "num_generator_replicas": 2},
         ['with backend="local" takes num_generator_replicas=1'],
