@@ -42,9 +42,14 @@ QWEN25_LIKE_TEMPLATE = (
 
 
 def hermes(default_system: str | None = None, **options: bool) -> HermesCodec:
-    return HermesCodec(
+    """A codec that encodes as the template does, control-token spellings in message text
+    included (the generated texts spell them on purpose; test_codecs_injection checks the
+    default, which keeps them plain)."""
+    codec = HermesCodec(
         make_tokenizer(HERMES_CHAT_TEMPLATE), default_system=default_system, **options
     )
+    codec.control_tokens_in_content = True
+    return codec
 
 
 def tokens_of(codec: HermesCodec, text: str) -> list[int]:
@@ -148,6 +153,7 @@ def test_a_tokenizer_without_a_pretokenizer_regex_still_gets_an_exact_token_in_t
 ):
     opening, turns, tools = episode
     codec = HermesCodec(make_tokenizer(HERMES_CHAT_TEMPLATE, with_regex=False))
+    codec.control_tokens_in_content = True  # as the template encodes them (see hermes())
     assert codec.render_prompt(opening, tools) == template_ids(
         codec, opening, tools, generation_prompt=True
     )

@@ -28,7 +28,10 @@ ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", re.S)
 
 
 def qwen3(enable_thinking: bool = True) -> Qwen3Codec:
-    return Qwen3Codec(make_tokenizer(QWEN3_CHAT_TEMPLATE), enable_thinking=enable_thinking)
+    """Encoding as the template does (see test_codecs.hermes)."""
+    codec = Qwen3Codec(make_tokenizer(QWEN3_CHAT_TEMPLATE), enable_thinking=enable_thinking)
+    codec.control_tokens_in_content = True
+    return codec
 
 
 def tokens_of(codec: Qwen3Codec, text: str) -> list[int]:

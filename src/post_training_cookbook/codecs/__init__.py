@@ -66,14 +66,19 @@ def get_codec(name: str, tokenizer: PreTrainedTokenizerBase, **options: Any) -> 
 
     For ``hermes``, ``default_system`` is read from the tokenizer's chat template when
     not given (Qwen2.5's template has one, ``HERMES_CHAT_TEMPLATE`` has none).
+    ``control_tokens_in_content=True`` (every codec) lets message text that spells a control
+    token become it (``Codec.control_tokens_in_content``; off by default).
     """
     if name not in CODECS:
         raise ValueError(f"unknown codec {name!r}; choose one of {sorted(CODECS)}")
     codec_class = CODECS[name]
+    control_tokens_in_content = bool(options.pop("control_tokens_in_content", False))
     if codec_class is HermesCodec and "default_system" not in options:
         options["default_system"] = detect_default_system(tokenizer)
     factory: Any = codec_class  # each family's constructor takes its own options
-    return cast(Codec, factory(tokenizer, **options))
+    codec = cast(Codec, factory(tokenizer, **options))
+    codec.control_tokens_in_content = control_tokens_in_content
+    return codec
 
 
 def infer_codec(tokenizer: PreTrainedTokenizerBase, **options: Any) -> Codec:

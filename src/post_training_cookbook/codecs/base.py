@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import abc
 import itertools
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,6 +51,16 @@ class Codec(abc.ABC):
     options: ClassVar[Mapping[str, tuple[object, ...]]] = {}
     """The template switches a run may set (``enable_thinking`` ...), each with its allowed
     values; ``models.check_codec_options`` checks a config's choices against them."""
+    control_tokens_in_content: bool = False
+    """False (the default): text in a message that spells a control token (``<|im_end|>``
+    in a tool result, a user prompt or task data) is encoded as that plain text, so a tool
+    that returns a web page cannot forge turn boundaries in the training data. True: such
+    text becomes the control token, as ``apply_chat_template`` would make it."""
+
+    def _encode_rendered(self, text: str, messages: Iterable[Message]) -> list[int]:
+        """The ids of ``text``, rendered from ``messages``, their contents protected."""
+        contents = () if self.control_tokens_in_content else message_texts(messages)
+        return encode_text(self.tokenizer, text, contents)
 
     @property
     @abc.abstractmethod
@@ -100,7 +112,7 @@ Segment = tuple[str, bool]
 
 
 def encode_segments(
-    tokenizer: PreTrainedTokenizerBase, segments: list[Segment]
+    tokenizer: PreTrainedTokenizerBase, segments: list[Segment], protected: Sequence[str] = ()
 ) -> tuple[list[int], list[int]]:
     """Token ids of the segments and their mask, each run of forced or sampled text encoded alone.
 
@@ -111,12 +123,103 @@ def encode_segments(
     ``assistant\\n`` → content for GPT-2/Qwen-style pre-tokenizer regexes unless the
     content itself starts with whitespace and a newline. Tokenizers without such a regex
     may merge across that boundary; then only this encoding matches what sampling sees.
+    ``protected``: message texts whose control-token spellings stay plain text
+    (``encode_text``).
     """
     ids: list[int] = []
     mask: list[int] = []
     for sampled, run in itertools.groupby(segments, key=lambda segment: segment[1]):
         text = "".join(piece for piece, _ in run)
-        run_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        run_ids = encode_text(tokenizer, text, () if sampled else protected) if text else []
         ids += run_ids
         mask += [int(sampled)] * len(run_ids)
     return ids, mask
+
+
+def message_texts(messages: Iterable[Message]) -> list[str]:
+    """Every text of ``messages`` that the chat template copies into the prompt."""
+    texts: list[str] = []
+    for message in messages:
+        for key in ("content", "reasoning_content"):
+            value = message.get(key)
+            if isinstance(value, str) and value:
+                texts.append(value)
+        for call in message.get("tool_calls") or []:
+            arguments = call.get("function", {}).get("arguments")
+            if isinstance(arguments, str) and arguments:
+                texts.append(arguments)
+    return texts
+
+
+def encode_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, protected: Sequence[str] = ()
+) -> list[int]:
+    """The ids of rendered ``text``. Where a ``protected`` text (a message's content) spells a
+    control token, that stretch of ``text`` is encoded with control tokens as plain text; the
+    template's own glue keeps its control tokens. Text without such spellings (nearly all) is
+    encoded whole, as the template's tokenization."""
+    controls = _control_strings(tokenizer) if protected else []
+    risky = [piece for piece in protected if any(control in piece for control in controls)]
+    spans = _protected_spans(text, risky)
+    if not spans:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids: list[int] = []
+    cursor = 0
+    for start, end in spans:
+        if cursor < start:
+            ids += tokenizer(text[cursor:start], add_special_tokens=False)["input_ids"]
+        ids += _plain_ids(tokenizer, text[start:end], controls)
+        cursor = end
+    if cursor < len(text):
+        ids += tokenizer(text[cursor:], add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def _control_strings(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    strings = {str(t) for t in tokenizer.all_special_tokens}
+    strings |= {token.content for token in added.values() if getattr(token, "special", False)}
+    return sorted((s for s in strings if s), key=len, reverse=True)
+
+
+def _protected_spans(text: str, protected: Sequence[str]) -> list[tuple[int, int]]:
+    """Where each protected text occurs in ``text`` as the template put it there (as it is,
+    stripped, or JSON-escaped as Llama's template passes tool results), overlapping spans
+    merged."""
+    spans: list[tuple[int, int]] = []
+    for piece in protected:
+        forms = (
+            piece,
+            piece.strip(),
+            json.dumps(piece, ensure_ascii=False)[1:-1],
+            json.dumps(piece)[1:-1],
+        )
+        for candidate in dict.fromkeys(form for form in forms if form):
+            found = [match.start() for match in re.finditer(re.escape(candidate), text)]
+            spans += [(start, start + len(candidate)) for start in found]
+            if found:
+                break
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _plain_ids(tokenizer: PreTrainedTokenizerBase, text: str, controls: list[str]) -> list[int]:
+    """``text`` encoded with every control-token spelling cut into single characters, so no
+    control token id can come out of it (not even from a vocabulary whose ordinary merges
+    spell one)."""
+    pattern = "(" + "|".join(re.escape(control) for control in controls) + ")"
+    ids: list[int] = []
+    for index, piece in enumerate(re.split(pattern, text)):
+        if not piece:
+            continue
+        if index % 2:  # a control-token spelling
+            for character in piece:
+                ids += tokenizer(character, add_special_tokens=False)["input_ids"]
+        else:
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids

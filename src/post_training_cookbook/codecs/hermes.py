@@ -26,7 +26,13 @@ from importlib.resources import files
 
 from transformers import PreTrainedTokenizerBase
 
-from post_training_cookbook.codecs.base import Codec, ParsedMessage, Segment, encode_segments
+from post_training_cookbook.codecs.base import (
+    Codec,
+    ParsedMessage,
+    Segment,
+    encode_segments,
+    message_texts,
+)
 from post_training_cookbook.codecs.tool_calls import (
     ParseError,
     canonical_arguments,
@@ -135,7 +141,7 @@ class HermesCodec(Codec):
         if not messages:
             raise ValueError("cannot render an empty conversation")
         text = _join(self._conversation_segments(messages, tools)) + self._generation_prompt()
-        return self._encode(text)
+        return self._encode_rendered(text, messages)
 
     def render_extension(
         self, new_messages: list[Message], *, sampled_tokens: list[int]
@@ -146,7 +152,9 @@ class HermesCodec(Codec):
         segments = [
             s for i in range(len(new_messages)) for s in self._message_segments(new_messages, i)
         ]
-        tokens = self._encode("\n" + _join(segments) + self._generation_prompt())
+        tokens = self._encode_rendered(
+            "\n" + _join(segments) + self._generation_prompt(), new_messages
+        )
         return tokens if closed else [self._im_end_id, *tokens]
 
     def parse(
@@ -161,7 +169,10 @@ class HermesCodec(Codec):
     ) -> tuple[list[int], list[int]]:
         if not messages:
             raise ValueError("cannot render an empty conversation")
-        return encode_segments(self.tokenizer, self._conversation_segments(messages, tools))
+        protected = [] if self.control_tokens_in_content else message_texts(messages)
+        return encode_segments(
+            self.tokenizer, self._conversation_segments(messages, tools), protected
+        )
 
     # The format, as text segments; subclasses change the pieces that differ.
 
@@ -211,9 +222,6 @@ class HermesCodec(Codec):
         if calls:
             message["tool_calls"] = calls
         return message
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def parse_guarded(

@@ -38,7 +38,13 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from post_training_cookbook.codecs.base import Codec, ParsedMessage, Segment, encode_segments
+from post_training_cookbook.codecs.base import (
+    Codec,
+    ParsedMessage,
+    Segment,
+    encode_segments,
+    message_texts,
+)
 from post_training_cookbook.codecs.hermes import parse_guarded, single_token_id, text_of
 from post_training_cookbook.codecs.tool_calls import (
     ParseError,
@@ -113,7 +119,7 @@ class Llama3Codec(Codec):
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> list[int]:
         text = "".join(piece for piece, _ in self._conversation_segments(messages, tools))
-        return self._encode(text + header("assistant"))
+        return self._encode_rendered(text + header("assistant"), messages)
 
     def render_extension(
         self, new_messages: list[Message], *, sampled_tokens: list[int]
@@ -122,7 +128,7 @@ class Llama3Codec(Codec):
             raise ValueError("render_extension renders only non-assistant messages")
         closed = bool(sampled_tokens) and sampled_tokens[-1] in self._stop_token_ids
         text = "".join(piece for m in new_messages for piece, _ in self._message_segments(m))
-        tokens = self._encode(text + header("assistant"))
+        tokens = self._encode_rendered(text + header("assistant"), new_messages)
         return tokens if closed else [self._eot_id, *tokens]
 
     def parse(
@@ -135,7 +141,10 @@ class Llama3Codec(Codec):
     def render_conversation(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> tuple[list[int], list[int]]:
-        return encode_segments(self.tokenizer, self._conversation_segments(messages, tools))
+        protected = [] if self.control_tokens_in_content else message_texts(messages)
+        return encode_segments(
+            self.tokenizer, self._conversation_segments(messages, tools), protected
+        )
 
     def _conversation_segments(
         self, messages: list[Message], tools: list[ToolSpec] | None
@@ -176,9 +185,6 @@ class Llama3Codec(Codec):
         arguments = dump_json(arguments_object(function["arguments"]))
         body = f'{{"name": "{function["name"]}", "parameters": {arguments}}}'
         return [(header("assistant"), False), (body + EOT, True)]
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class Llama32Codec(Llama3Codec):

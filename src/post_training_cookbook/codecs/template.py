@@ -28,7 +28,13 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
-from post_training_cookbook.codecs.base import Codec, ParsedMessage, Segment, encode_segments
+from post_training_cookbook.codecs.base import (
+    Codec,
+    ParsedMessage,
+    Segment,
+    encode_segments,
+    message_texts,
+)
 from post_training_cookbook.codecs.hermes import parse_guarded, single_token_id
 from post_training_cookbook.codecs.tool_calls import (
     ParseError,
@@ -95,7 +101,9 @@ class TemplateCodec(Codec):
     ) -> list[int]:
         if not messages:
             raise ValueError("cannot render an empty conversation")
-        return self._encode(self._render(messages, tools, generation_prompt=True))
+        return self._encode_rendered(
+            self._render(messages, tools, generation_prompt=True), messages
+        )
 
     def render_extension(
         self, new_messages: list[Message], *, sampled_tokens: list[int]
@@ -110,7 +118,7 @@ class TemplateCodec(Codec):
         after = self._render([*before, *new_messages], None, generation_prompt=True)
         if not after.startswith(done):
             raise self._not_prefix_preserving([m["role"] for m in new_messages])
-        tokens = self._encode(after[len(done) :])
+        tokens = self._encode_rendered(after[len(done) :], new_messages)
         closed = bool(sampled_tokens) and sampled_tokens[-1] in self._stop_token_ids
         stop_id = single_token_id(self.tokenizer, stop_text) if stop_text else None
         return tokens if closed or stop_id is None else [stop_id, *tokens]
@@ -141,7 +149,8 @@ class TemplateCodec(Codec):
             ]
             position = len(through)
         segments.append((whole[position:], False))
-        return encode_segments(self.tokenizer, [s for s in segments if s[0]])
+        protected = [] if self.control_tokens_in_content else message_texts(messages)
+        return encode_segments(self.tokenizer, [s for s in segments if s[0]], protected)
 
     # ---- helpers ----
 
@@ -230,9 +239,6 @@ class TemplateCodec(Codec):
             "extend the sampled tokens as they are. Use a family codec that handles this "
             "template (docs/models.md) or a prefix-preserving template."
         )
-
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _probe_call() -> Message:

@@ -142,6 +142,10 @@ class GRPOConfig:
     preserve_thinking: bool | None = None
     """Keep earlier turns' reasoning in the rendered history (qwen3.6: default off; qwen3.8:
     default on). None: the codec's default. Checked against the codec before loading."""
+    control_tokens_in_content: bool = False
+    """False: message text (tool results, prompts, task data) that spells a control token
+    such as ``<|im_end|>`` is encoded as that plain text, so a tool cannot forge turn
+    boundaries. True: it becomes the control token, as ``apply_chat_template`` makes it."""
     reasoning_effort: str | None = None
     """Qwen3.8's reasoning effort (``"xhigh"``, its default, or ``"medium"``, ``"low"``), or
     a template codec's. None: the codec's default. Checked against the codec before loading."""
@@ -314,6 +318,7 @@ class GRPOConfig:
             "enable_thinking": self.enable_thinking,
             "preserve_thinking": self.preserve_thinking,
             "reasoning_effort": self.reasoning_effort,
+            "control_tokens_in_content": self.control_tokens_in_content or None,
         }
 
     @property
