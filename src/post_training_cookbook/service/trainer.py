@@ -333,24 +333,27 @@ class Trainer:
         self, path: str | os.PathLike[str], load_optimizer: bool = True
     ) -> None:
         """Restore a training checkpoint. ``load_optimizer=False`` loads the weights only,
-        with a fresh optimizer at version 0 (a fork rather than a resume)."""
-        folder = Path(path)
-        meta = checkpoints.read_training_state(folder)
+        with a fresh optimizer at version 0 (a fork rather than a resume). Every file is read
+        and checked before anything changes: a damaged checkpoint raises ``BadFileError``
+        naming the file, and a damaged or unfitting one leaves the trainer as it was."""
+        checkpoint = checkpoints.read_training_checkpoint(
+            path, optimizer=load_optimizer, device=str(self.device)
+        )
+        parameters = self.trainable_parameters()
         checkpoints.check_compatible(
-            meta,
+            checkpoint,
             use_lora=self.use_lora,
             lora_settings=self.lora_settings,
-            parameter_names=list(self.trainable_parameters()),
+            parameters=parameters,
         )
-        checkpoints.load_trainable_weights(folder, self.trainable_parameters(), self.device)
-        self._optimizer = self._new_optimizer()
-        self._version = 0
+        optimizer = self._new_optimizer()
         if load_optimizer:
-            checkpoints.load_optimizer_state(
-                folder, self._optimizer, meta["optimizer_param_groups"]
-            )
-            self._version = int(meta["version"])
-            checkpoints.load_rng_states(folder)
+            checkpoints.apply_optimizer_state(checkpoint, optimizer)
+        checkpoints.apply_trainable_weights(checkpoint, parameters)
+        self._optimizer = optimizer
+        self._version = checkpoint.version if load_optimizer else 0
+        if load_optimizer:
+            checkpoints.apply_rng_states(checkpoint)
         self._zero_grad()
 
     # ------------------------------------------------------------ internals
