@@ -147,6 +147,29 @@ def test_train_rejects_a_bad_yaml_before_training(capsys, tmp_path, change, reas
     assert status == 2 and reason in err and not (tmp_path / "bad").exists()
 
 
+def test_train_resume_skips_a_damaged_checkpoint_and_refuses_in_one_line_when_none_reads(
+    capsys, tmp_path
+):
+    config = write_config(tmp_path / "run.yaml", tmp_path, "run", VARIETY_ENV,
+                          checkpoint_interval=1, validation_interval=0, episodes_per_task=2,
+                          max_sampling_attempts=1)  # fmt: skip
+    assert run_cli(capsys, "train", config)[0] == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step_000002" / "trainer_state.json").write_text('{"version": 2, "us')
+    status, out, err = run_cli(capsys, "train", config, "--set", "resume=true")
+    assert status == 0, err
+    assert "resume: skipped step_000002: trainer_state.json: " in out
+    assert "resume: from step_000001 (step 1)" in out
+    for folder in checkpoints.iterdir():
+        (folder / "rng.safetensors").write_bytes(b"")
+    status, _, err = run_cli(capsys, "train", config, "--set", "resume=true")
+    # the model loaded first (transformers' loading bars), then the error: one line
+    assert status == 2 and "Traceback" not in err
+    (error,) = [line for line in err.splitlines() if "error" in line]
+    assert error == err.strip().splitlines()[-1]
+    assert "no checkpoint reads back (step_000002: rng.safetensors: 0 bytes" in error
+
+
 @pytest.mark.parametrize("case", DAMAGED_MODEL_FOLDERS)
 def test_train_and_eval_refuse_a_damaged_model_folder_in_one_line_naming_the_file(
     capsys, tmp_path, case
