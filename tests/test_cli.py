@@ -12,7 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from test_eval_common import VARIETY_TASKS, VarietyEnv, tiny_model_dir, trained_run
+from test_eval_common import (
+    DAMAGED_MODEL_FOLDERS,
+    VARIETY_TASKS,
+    VarietyEnv,
+    damaged_model_folder,
+    tiny_model_dir,
+    trained_run,
+)
 
 from post_training_cookbook.cli import main
 from post_training_cookbook.cli.loading import CliError, load_env_factory, load_tasks
@@ -138,6 +145,44 @@ def test_train_rejects_a_bad_yaml_before_training(capsys, tmp_path, change, reas
     config.write_text(yaml.safe_dump(data))
     status, _, err = run_cli(capsys, "train", config)
     assert status == 2 and reason in err and not (tmp_path / "bad").exists()
+
+
+def test_train_resume_skips_a_damaged_checkpoint_and_refuses_in_one_line_when_none_reads(
+    capsys, tmp_path
+):
+    config = write_config(tmp_path / "run.yaml", tmp_path, "run", VARIETY_ENV,
+                          checkpoint_interval=1, validation_interval=0, episodes_per_task=2,
+                          max_sampling_attempts=1)  # fmt: skip
+    assert run_cli(capsys, "train", config)[0] == 0
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step_000002" / "trainer_state.json").write_text('{"version": 2, "us')
+    status, out, err = run_cli(capsys, "train", config, "--set", "resume=true")
+    assert status == 0, err
+    assert "resume: skipped step_000002: trainer_state.json: " in out
+    assert "resume: from step_000001 (step 1)" in out
+    for folder in checkpoints.iterdir():
+        (folder / "rng.safetensors").write_bytes(b"")
+    status, _, err = run_cli(capsys, "train", config, "--set", "resume=true")
+    # the model loaded first (transformers' loading bars), then the error: one line
+    assert status == 2 and "Traceback" not in err
+    (error,) = [line for line in err.splitlines() if "error" in line]
+    assert error == err.strip().splitlines()[-1]
+    assert "no checkpoint reads back (step_000002: rng.safetensors: 0 bytes" in error
+
+
+@pytest.mark.parametrize("case", DAMAGED_MODEL_FOLDERS)
+def test_train_and_eval_refuse_a_damaged_model_folder_in_one_line_naming_the_file(
+    capsys, tmp_path, case
+):
+    model = tmp_path / "model"
+    damaged, problem = damaged_model_folder(tiny_model_dir(), model, case)
+    config = write_config(tmp_path / "run.yaml", tmp_path, "run", VARIETY_ENV, model=str(model))
+    for arguments in (["train", config], ["eval", model, "--num-tasks", "1", "--no-save"]):
+        status, _, err = run_cli(capsys, *arguments)
+        assert status == 2, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert f"error: {damaged}: {problem}" in err
+    assert not (tmp_path / "run").exists()
 
 
 # --- eval ---------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Shared pieces of the evaluation, CLI and viewer tests: a tiny random model saved as a
-Hugging Face folder, an env whose rewards vary, one short real training run, and rollout
-records of scripted tool-use episodes.
+Hugging Face folder, an env whose rewards vary, one short real training run, rollout
+records of scripted tool-use episodes, and model folders damaged in the ways users meet.
 
 No tests live here; ``test_eval*``, ``test_cli*`` and ``test_viewer*`` import it. The model
 and the run are built once per test session (``functools.cache``) in a temporary folder.
@@ -161,3 +161,46 @@ def write_rollouts(run_dir: Path, records: list[dict[str, Any]], step: int = 0) 
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     short_config(run_dir.parent, run_dir.name).to_yaml(run_dir / "config.yaml")
     return path
+
+
+# ---------------------------------------------------------------- damaged model folders
+
+
+def cut_in_half(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def random_bytes(path: Path) -> None:
+    path.write_bytes(random.Random(0).randbytes(path.stat().st_size))
+
+
+# Each way finding 8 of issue 17 lists a model folder can be damaged, and what is said.
+DAMAGED_MODEL_FOLDERS = {
+    "truncated weights": ("model.safetensors", cut_in_half, "cut short: "),
+    "random weights": ("model.safetensors", random_bytes, "not a safetensors file"),
+    "empty weights": ("model.safetensors", lambda p: p.write_bytes(b""), "empty (0 bytes)"),
+    "config.json is a list": (
+        "config.json",
+        lambda p: p.write_text("[1, 2]"),
+        "holds a JSON list, expected an object",
+    ),
+    "malformed config.json": (
+        "config.json",
+        lambda p: p.write_text(p.read_text()[:40]),
+        "not valid JSON",
+    ),
+    "malformed tokenizer_config.json": (
+        "tokenizer_config.json",
+        lambda p: p.write_text(p.read_text()[:40]),
+        "not valid JSON",
+    ),
+}
+
+
+def damaged_model_folder(source: Path, target: Path, case: str) -> tuple[Path, str]:
+    """A copy of the model folder ``source`` damaged as ``case`` says; the damaged file and
+    the problem the error must state."""
+    name, damage, problem = DAMAGED_MODEL_FOLDERS[case]
+    shutil.copytree(source, target)
+    damage(target / name)
+    return target / name, problem

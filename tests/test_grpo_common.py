@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -349,5 +351,77 @@ def run_resumable(
         return train_multi_turn(config, RESUMABLE_TASKS, mode_envs(Closes())).path
 
 
-if __name__ == "__main__":  # the resume test's subprocess: python test_grpo_common.py MODEL DIR
-    run_resumable(Path(sys.argv[1]), Path(sys.argv[2]), "run", num_steps=int(sys.argv[3]))
+# ---------------------------------------------------------------- the kill tests' subprocess
+
+
+def pause_in_checkpoint(monkeypatch: Any, where: str, flag: Path) -> None:
+    """Make the run stop inside one checkpoint's save, write ``flag`` and wait there to be
+    killed: ``files:<step>`` once the trainer's files are written (the loop's are not),
+    ``rename:<step>`` once the checkpoint is complete, before it takes its final name."""
+    from post_training_cookbook.grpo.runs import RunDirectory
+
+    point, _, step = where.partition(":")
+    partial_name = f"step_{int(step):06d}.partial"
+
+    def wait_to_be_killed() -> None:
+        flag.write_text(where)
+        time.sleep(600)
+
+    if point == "files":
+        commit = RunDirectory.commit_checkpoint
+
+        def paused_commit(directory: RunDirectory, partial: Path, state: Any) -> Path:
+            if partial.name == partial_name:
+                wait_to_be_killed()
+            return commit(directory, partial, state)
+
+        monkeypatch.setattr(RunDirectory, "commit_checkpoint", paused_commit)
+    elif point == "rename":
+        rename = os.rename
+
+        def paused_rename(source: Any, target: Any) -> None:
+            if Path(source).name == partial_name:
+                wait_to_be_killed()
+            rename(source, target)
+
+        monkeypatch.setattr(os, "rename", paused_rename)
+    else:
+        raise ValueError(f"unknown pause point {where!r}")
+
+
+def slow_checkpoints(monkeypatch: Any, seconds: float) -> None:
+    """Make every checkpoint file write and folder rename take ``seconds`` longer, so that
+    kills at random moments often land inside a checkpoint's save."""
+    from post_training_cookbook.service import checkpoints
+
+    save_file, rename = checkpoints.save_file, os.rename
+
+    def slow_save_file(*args: Any, **kwargs: Any) -> None:
+        save_file(*args, **kwargs)
+        time.sleep(seconds)
+
+    def slow_rename(source: Any, target: Any) -> None:
+        time.sleep(seconds)
+        rename(source, target)
+
+    monkeypatch.setattr(checkpoints, "save_file", slow_save_file)
+    monkeypatch.setattr(os, "rename", slow_rename)
+
+
+if __name__ == "__main__":
+    # The kill tests' subprocess: python test_grpo_common.py MODEL DIR NUM_STEPS [resume].
+    # PAUSE_IN_CHECKPOINT=files:3 or rename:3 (with PAUSE_FLAG=path): see pause_in_checkpoint;
+    # SLOW_CHECKPOINT_S=0.1: see slow_checkpoints.
+    with pytest.MonkeyPatch.context() as patches:
+        if "PAUSE_IN_CHECKPOINT" in os.environ:
+            where, flag = os.environ["PAUSE_IN_CHECKPOINT"], Path(os.environ["PAUSE_FLAG"])
+            pause_in_checkpoint(patches, where, flag)
+        if "SLOW_CHECKPOINT_S" in os.environ:
+            slow_checkpoints(patches, float(os.environ["SLOW_CHECKPOINT_S"]))
+        run_resumable(
+            Path(sys.argv[1]),
+            Path(sys.argv[2]),
+            "run",
+            resume=sys.argv[4:] == ["resume"],
+            num_steps=int(sys.argv[3]),
+        )

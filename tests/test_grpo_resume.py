@@ -43,10 +43,13 @@ def versions(run_dir: Path) -> list[float]:
 
 def forget_after(run_dir: Path, step: int) -> None:
     """Make ``run_dir`` look like a run killed after writing step ``step``'s metrics line
-    but before finishing the checkpoint after it (its loop_state.json is missing)."""
+    but before finishing the checkpoint after it: the later checkpoints are left as a kill
+    during their save leaves them (``step_N.partial``, the trainer's files only)."""
     for checkpoint in (run_dir / "checkpoints").iterdir():
         if int(checkpoint.name.removeprefix("step_")) > step:
             (checkpoint / "loop_state.json").unlink()
+            (checkpoint / "complete.json").unlink()
+            checkpoint.rename(checkpoint.with_name(checkpoint.name + ".partial"))
     shutil.rmtree(run_dir / "final_model")
     kept = [line for line in read_jsonl(run_dir / "metrics.jsonl") if line["step"] <= step]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in kept))
@@ -65,6 +68,7 @@ def test_resume_after_a_step_whose_checkpoint_was_not_finished_repeats_no_metric
     assert versions(run_dir) == versions(reference) == [1.0, 2.0, 3.0, 4.0]
     assert tasks_per_step(run_dir, 4) == tasks_per_step(reference, 4)
     assert (run_dir / "final_model" / "config.json").is_file()
+    assert not list((run_dir / "checkpoints").glob("*.partial"))  # removed on resume
 
 
 def test_resume_without_a_finished_checkpoint_starts_over_without_duplicate_lines(

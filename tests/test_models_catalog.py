@@ -1,6 +1,10 @@
 """The model catalog: ids, local folders, and refusals that come before any weights load."""
 
+import re
+
 import pytest
+from test_eval_common import DAMAGED_MODEL_FOLDERS, cut_in_half, damaged_model_folder
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from post_training_cookbook.models import (
     BUNDLED_MODEL_ID,
@@ -195,3 +199,31 @@ def test_a_local_folder_gets_the_family_codec_its_real_template_belongs_to(
     assert info.codec == codec and info.generator_support == (codec is not None)
     if codec is None:
         assert "codec='template'" in info.trainer_only_reason
+
+
+@pytest.mark.parametrize("case", DAMAGED_MODEL_FOLDERS)
+def test_a_damaged_local_model_folder_is_refused_naming_the_file_and_the_problem(
+    tiny_llama_dir, tmp_path, case
+):
+    damaged, problem = damaged_model_folder(tiny_llama_dir, tmp_path / "model", case)
+    with pytest.raises(ValueError) as error:
+        resolve_model(str(tmp_path / "model"), codec="hermes")
+    assert str(error.value).startswith(f"{damaged}: {problem}")
+
+
+def test_sharded_weights_are_checked_shard_by_shard(tiny_llama_tokenizer, tmp_path):
+    config = LlamaConfig(
+        vocab_size=len(tiny_llama_tokenizer), hidden_size=32, intermediate_size=64,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="50KB")
+    tiny_llama_tokenizer.save_pretrained(tmp_path)
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    assert resolve_model(str(tmp_path)).codec == "hermes"
+    cut_in_half(shards[-1])
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(shards[-1]))}: cut short"):
+        resolve_model(str(tmp_path))
+    shards[-1].unlink()
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(shards[-1]))}: missing"):
+        resolve_model(str(tmp_path))

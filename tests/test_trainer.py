@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
+from post_training_cookbook.files import BadFileError
 from post_training_cookbook.service.precision import bf16_autocast_is_fast
 from post_training_cookbook.service.trainer import Trainer
 from post_training_cookbook.service.types import LossConfig, TrainingSample
@@ -415,6 +416,38 @@ def test_a_checkpoint_from_another_training_mode_is_rejected(tmp_path: Path) -> 
     make_trainer(True, copy.deepcopy(model)).save_training_checkpoint(tmp_path / "lora")
     with pytest.raises(ValueError, match="use_lora"):
         make_trainer(False, model).load_training_checkpoint(tmp_path / "lora")
+
+
+CHECKPOINT_DAMAGE = {
+    "trainable.safetensors": "cut short: ",
+    "optimizer.safetensors": "cut short: ",
+    "rng.safetensors": "cut short: ",
+    "trainer_state.json": "not valid JSON",
+}
+
+
+@pytest.mark.parametrize("damaged", CHECKPOINT_DAMAGE)
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_leaves_the_trainer_as_it_was(
+    tmp_path: Path, damaged: str
+) -> None:
+    """Every file is read and checked before any is applied: a trainer that a damaged
+    checkpoint half-restored must not go on training."""
+    source = make_trainer(True)
+    train_steps(source, 2, seed=0)
+    source.save_training_checkpoint(tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    target = make_trainer(True)
+    train_steps(target, 1, seed=5)
+    before = weights(target), optimizer_tensors(target), torch.get_rng_state()
+    with pytest.raises(BadFileError) as error:
+        target.load_training_checkpoint(tmp_path / "ckpt")
+    assert error.value.path == path
+    assert error.value.problem.startswith(CHECKPOINT_DAMAGE[damaged])
+    assert target.version == 1
+    assert_bitwise_equal(weights(target), before[0])
+    assert_bitwise_equal(optimizer_tensors(target), before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
 
 
 def test_grpo_on_a_one_token_bandit_learns_the_rewarded_actions() -> None:

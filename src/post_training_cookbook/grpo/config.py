@@ -285,7 +285,8 @@ class GRPOConfig:
     checkpoint_interval: int = setting(10, at_least(0))
     """A training checkpoint every this many steps. 0 = only the final one."""
     resume: bool = setting(False, resume_needs_run_name)
-    """Continue ``runs_dir/run_name/`` from its last checkpoint. Needs ``run_name``."""
+    """Continue ``runs_dir/run_name/`` from its newest checkpoint that reads back whole
+    (``grpo/runs.py``: which one, what may change). Needs ``run_name``."""
 
     # Validation
     validation_interval: int = setting(10, at_least(0))

@@ -187,7 +187,9 @@ async def validation_phase(run: Run, val_tasks: Sequence[Task], step: int) -> di
 
 
 async def save_checkpoint(run: Run, state: LoopState) -> None:
-    """The trainer's checkpoint, then the loop's state (written last: it marks it complete)."""
-    folder = run.directory.checkpoint_dir(state.step)
-    await run.service.save_training_checkpoint(folder)
-    run.directory.write_loop_state(folder, state)
+    """The trainer's files, then the loop's state, under a temporary name; the folder is
+    renamed to its step's once complete and durable, so a kill leaves no half checkpoint.
+    The rename is here, not in the trainer, which may be a Ray actor on another machine."""
+    partial = run.directory.partial_checkpoint(state.step)
+    await run.service.save_training_checkpoint(partial)
+    run.directory.commit_checkpoint(partial, state)

@@ -3,8 +3,9 @@ final model.
 
 1. Checks that need no weights: the tasks and env factory, the model's catalog entry and
    context, the packages the service needs. Bad input fails before anything loads.
-2. ``open_run``: the run directory (config.yaml), W&B, the codec and the model service; a
-   resumed run loads its last checkpoint. Whatever fails later, what was opened is closed.
+2. ``open_run``: the codec and the model service; a resumed run loads its newest readable
+   checkpoint; only then the run directory (config.yaml) and W&B. A start or resume that
+   fails leaves the run folder as it was. Whatever fails later, what was opened is closed.
 3. The loop: ``lockstep.run_lockstep``, or ``async_loop.run_async`` when
    ``max_steps_off_policy`` is set.
 4. The final validation and the final model (``runs/<run_name>/final_model``).
@@ -18,11 +19,12 @@ from dataclasses import replace
 
 from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.envs.single_turn import SingleTurnEnv
+from post_training_cookbook.files import commit_folder, partial_folder
 from post_training_cookbook.grpo.async_loop import run_async
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.lockstep import run_lockstep, validation_phase
 from post_training_cookbook.grpo.reporting import ConsoleProgress, RunLog, WandbLogger
-from post_training_cookbook.grpo.runs import Run, RunDirectory
+from post_training_cookbook.grpo.runs import LoopState, Run, RunDirectory, resume_from_checkpoint
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.models.availability import require_weights
 from post_training_cookbook.models.catalog import (
@@ -106,7 +108,9 @@ async def _train(
         if val_tasks and validation_interval:
             end = settings.schedule.num_steps
             run.log.record(end, await validation_phase(run, val_tasks, end), advance=False)
-        await run.service.save_inference_checkpoint(run.directory.final_model_dir)
+        final_model = partial_folder(run.directory.final_model_dir)  # renamed when complete
+        await run.service.save_inference_checkpoint(final_model)
+        commit_folder(final_model, run.directory.final_model_dir)
         run.log.note(f"final model: {run.directory.final_model_dir}")
     return run.directory
 
@@ -118,24 +122,22 @@ async def open_run(
     env_factory: EnvFactory,
     service: ModelService | None = None,
 ) -> AsyncIterator[Run]:
-    """The run's directory, W&B, codec and service (resumed from the last checkpoint with
-    ``resume``); on the way out, whatever happened, each is closed in reverse order.
+    """The run's codec and service (resumed from the newest readable checkpoint with
+    ``resume``), directory and W&B; on the way out, whatever happened, each is closed in
+    reverse order. The folder is written only once everything has loaded, and a resumed
+    config is checked against the run's config.yaml first (``RunDirectory.check_resumable``).
 
     ``service``: run on a service the caller built (and closes), instead of opening one
     from ``settings.service``."""
     name = config.resolved_run_name()
     directory = RunDirectory(config.run_dir())
-    resume = directory.last_checkpoint() if config.resume else None
     if directory.path.exists() and not config.resume and any(directory.path.iterdir()):
         raise ValueError(
             f"{directory.path} already exists: pick another run_name or set resume=True"
         )
-    directory.create(config)
+    if config.resume:
+        directory.check_resumable(config)
     async with contextlib.AsyncExitStack() as opened:
-        wandb = WandbLogger(  # before loading: a W&B setup problem shows at once
-            config.wandb_project, name, str(directory.path), config.to_dict(), resume=config.resume
-        )
-        opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
         # After an error (the generators are closed by then): wait for the episodes still in
         # flight, so that each closes its env. Their sampling fails at once; an env call still
         # running gets its timeout twice (step, then close), or 60 s without one.
@@ -148,13 +150,21 @@ async def open_run(
         if service is None:
             service = await open_service(settings.service)
             opened.push_async_callback(service.close)
-        checkpoint, resumed = resume if resume is not None else (None, None)
-        if checkpoint is not None:
-            await service.load_training_checkpoint(checkpoint)
+        resumed: LoopState | None = None
+        notes: list[str] = []
+        if config.resume:
+            resumed, notes = await resume_from_checkpoint(directory, service)
+        # Loaded: only now does anything in the run folder change. W&B starts here too, as the
+        # seed's page says: a run without a W&B setup fails after it provisions the model.
+        notes += directory.start(config, resumed)
+        wandb = WandbLogger(
+            config.wandb_project, name, str(directory.path), config.to_dict(), resume=config.resume
+        )
+        opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
         start = resumed.step if resumed else 0
-        if config.resume:  # also without a finished checkpoint: then the run starts over
-            directory.drop_metrics_from(start)
         progress = opened.enter_context(ConsoleProgress(settings.schedule.num_steps, start, name))
+        for note in notes:
+            progress.note(note)
         stops = codec.stop_token_ids
         yield Run(
             name=name,

@@ -11,12 +11,12 @@ still be fine-tuned with ``post_training_cookbook.sft``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from post_training_cookbook.files import BadFileError, check_safetensors, read_json_object
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 
 TRAINING_MODES = ("lora", "full")
@@ -117,7 +117,9 @@ def resolve_model(model: str, *, codec: str | None = None) -> ModelInfo:
     """The catalog entry for ``model``, or an entry describing a local Hugging Face folder.
 
     A local folder has generator support when a codec is named or can be inferred from its
-    tokenizer's chat template (``<tool_call>`` → hermes, ``<think>`` → qwen3).
+    tokenizer's chat template (``<tool_call>`` → hermes, ``<think>`` → qwen3). Its JSON files
+    and its safetensors weights (headers and lengths, not the tensors) are checked here, so a
+    damaged folder fails with a ``ValueError`` naming the file before anything loads.
     """
     if model in CATALOG:
         info = CATALOG[model]
@@ -165,8 +167,21 @@ def check_model_can_sample(info: ModelInfo, max_model_length: int) -> None:
         )
 
 
+# Read by the tokenizer and from_pretrained, whose errors would not name them.
+_OTHER_JSON_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
 def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json_object(folder / "config.json")
+    for name in _OTHER_JSON_FILES:
+        if (folder / name).exists():
+            read_json_object(folder / name)
+    _check_weights(folder)
     template = _chat_template_text(folder)
     inferred = codec or infer_codec_name(template)
     reason = (
@@ -178,16 +193,35 @@ def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
         )
     )
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    context = config.get("max_position_embeddings", 2048)
+    if not isinstance(context, int) or isinstance(context, bool) or context < 1:
+        raise BadFileError(
+            folder / "config.json", f"max_position_embeddings is {context!r}, not a count"
+        )
     return ModelInfo(
         model_id=str(folder),
         source=str(folder),
         codec=inferred,
         generator_support=inferred is not None,
-        max_context=int(config.get("max_position_embeddings", 2048)),
+        max_context=context,
         default_dtype=dtype,
         trainer_only_reason=reason,
         description=f"local {config.get('model_type', 'causal LM')} folder",
     )
+
+
+def _check_weights(folder: Path) -> None:
+    """The safetensors weights, one file or the shards an index names, describe their bytes
+    exactly. Other formats (``pytorch_model.bin``) are left to ``from_pretrained``."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise BadFileError(index, "has no weight_map naming the shards")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            check_safetensors(folder / shard)
+    elif (folder / "model.safetensors").exists():
+        check_safetensors(folder / "model.safetensors")
 
 
 def _chat_template_text(folder: Path) -> str:
@@ -196,11 +230,15 @@ def _chat_template_text(folder: Path) -> str:
         return jinja.read_text()
     tokenizer_config = folder / "tokenizer_config.json"
     if tokenizer_config.is_file():
-        template = json.loads(tokenizer_config.read_text()).get("chat_template", "")
+        template = read_json_object(tokenizer_config).get("chat_template", "")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            return " ".join(str(entry.get("template", "")) for entry in template)
+            return " ".join(str(_entry(entry).get("template", "")) for entry in template)
         return str(template or "")
     return ""
+
+
+def _entry(entry: Any) -> dict[str, Any]:
+    return entry if isinstance(entry, dict) else {}
 
 
 def infer_codec_name(template: str) -> str | None:

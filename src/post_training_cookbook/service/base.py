@@ -72,7 +72,10 @@ class ModelService(abc.ABC):
     @abc.abstractmethod
     async def load_training_checkpoint(self, path: PathLike, *, load_optimizer: bool = True) -> int:
         """Restore a training checkpoint and publish it to the generators; return its version.
-        ``load_optimizer=False`` loads the weights only, with a fresh optimizer at step 0."""
+        ``load_optimizer=False`` loads the weights only, with a fresh optimizer at step 0.
+        A damaged checkpoint raises ``files.BadFileError`` naming the file and changes
+        nothing (the trainer reads every file before it applies any), so that a resume can
+        fall back to an older one."""
 
     @abc.abstractmethod
     async def save_inference_checkpoint(self, path: PathLike) -> None:

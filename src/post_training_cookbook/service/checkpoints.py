@@ -4,13 +4,22 @@ A training checkpoint folder holds the trainable weights (all of them, or the ad
 AdamW state (with bf16 precision, the fp32 master weights too) and the torch RNG states as
 safetensors files, and ``trainer_state.json`` (version, LoRA settings, precision, parameter
 names, optimizer param groups), written last: without it the folder is an interrupted save.
+The files land in the folder they are given; making the folder a complete checkpoint
+(atomically, under its final name) is the loop's part (``grpo/runs.py``).
+
+Restoring is in two halves: ``read_training_checkpoint`` reads and checks every file, and
+raises ``BadFileError`` naming the one that is damaged; only then do the ``apply_*``
+functions change a trainer. A damaged checkpoint therefore leaves the trainer as it was, and
+the loop can try an older one.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -19,6 +28,8 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 from transformers import PreTrainedModel
+
+from post_training_cookbook.files import BadFileError, check_safetensors, read_json_object
 
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -130,65 +141,164 @@ def save_training_checkpoint(
     return folder
 
 
-def read_training_state(folder: Path) -> dict[str, Any]:
-    """The checkpoint's ``trainer_state.json``."""
-    meta: dict[str, Any] = json.loads((folder / STATE_FILE).read_text())
-    return meta
+@dataclass(frozen=True)
+class TrainingCheckpoint:
+    """A training checkpoint folder read whole and checked, before any of it is applied."""
+
+    folder: Path
+    version: int
+    use_lora: bool
+    lora_settings: dict[str, Any] | None
+    precision: str
+    """The trainer's precision when it saved (``"fp32"`` for checkpoints from before it)."""
+    weights: dict[str, Tensor]
+    """The trainable weights, in ``trainer_state.json``'s parameter order."""
+    optimizer_state: dict[int, dict[str, Tensor]] | None
+    """AdamW's per-parameter state by index; None when not read (weights only)."""
+    optimizer_param_groups: list[dict[str, Any]]
+    rng_states: dict[str, Tensor] | None
+
+
+def read_training_checkpoint(
+    path: str | os.PathLike[str], *, optimizer: bool = True, device: str = "cpu"
+) -> TrainingCheckpoint:
+    """Every file of the checkpoint in ``path``, read and checked (``optimizer=False``: the
+    weights and ``trainer_state.json`` only), so that a damaged file fails here, with a
+    ``BadFileError`` naming it, and not halfway through restoring a trainer. ``device``: where
+    the weights load (the optimizer's and RNG states load on the CPU)."""
+    folder = Path(path)
+    meta = _read_state(folder / STATE_FILE)
+    names = meta["parameter_names"]
+    weights = _load(folder / TRAINABLE_FILE, device)
+    if set(weights) != set(names):
+        raise BadFileError(
+            folder / TRAINABLE_FILE, f"holds other tensors than the {len(names)} {STATE_FILE} names"
+        )
+    optimizer_state = rng_states = None
+    if optimizer:
+        optimizer_state = _optimizer_state(folder / OPTIMIZER_FILE, len(names))
+        rng_states = _load(folder / RNG_FILE, "cpu")
+        cpu_state = rng_states.get("torch_cpu")
+        expected = torch.get_rng_state()
+        if cpu_state is None or (cpu_state.dtype, cpu_state.shape) != (
+            expected.dtype,
+            expected.shape,
+        ):
+            raise BadFileError(folder / RNG_FILE, "has no torch_cpu state of the right size")
+    return TrainingCheckpoint(
+        folder=folder,
+        version=meta["version"],
+        use_lora=meta["use_lora"],
+        lora_settings=meta["lora"],
+        precision=str(meta.get("precision", "fp32")),
+        weights={name: weights[name] for name in names},
+        optimizer_state=optimizer_state,
+        optimizer_param_groups=meta["optimizer_param_groups"],
+        rng_states=rng_states,
+    )
 
 
 def check_compatible(
-    meta: dict[str, Any],
+    checkpoint: TrainingCheckpoint,
     *,
     use_lora: bool,
     lora_settings: dict[str, Any],
-    parameter_names: list[str],
+    parameters: dict[str, Tensor],
     precision: str | None,
 ) -> None:
-    """Raise ``ValueError`` unless the checkpoint was saved by a trainer set up like this one.
-    ``precision=None`` accepts any: weights load into either (the optimizer state does not)."""
-    if meta["use_lora"] != use_lora:
-        raise ValueError(f"checkpoint has use_lora={meta['use_lora']}, trainer has {use_lora}")
-    if use_lora and meta["lora"] != lora_settings:
-        raise ValueError(f"checkpoint LoRA {meta['lora']} != trainer's {lora_settings}")
-    saved_precision = meta.get("precision", "fp32")  # checkpoints before precision existed
-    if precision is not None and saved_precision != precision:
+    """Raise ``ValueError`` unless the checkpoint was saved by a trainer set up like this one
+    (the same training mode, LoRA settings, precision, parameter names and shapes), so that
+    applying it cannot fail halfway. ``precision=None`` accepts any: weights load into either
+    (the optimizer state does not)."""
+    if checkpoint.use_lora != use_lora:
+        raise ValueError(f"checkpoint has use_lora={checkpoint.use_lora}, trainer has {use_lora}")
+    if use_lora and checkpoint.lora_settings != lora_settings:
+        raise ValueError(f"checkpoint LoRA {checkpoint.lora_settings} != trainer's {lora_settings}")
+    if precision is not None and checkpoint.precision != precision:
         raise ValueError(
-            f"checkpoint has precision={saved_precision!r}, trainer has {precision!r}: "
+            f"checkpoint has precision={checkpoint.precision!r}, trainer has {precision!r}: "
             "its optimizer state does not fit (load_optimizer=False loads the weights only)"
         )
-    if meta["parameter_names"] != parameter_names:
+    if list(checkpoint.weights) != list(parameters):
         raise ValueError("checkpoint's trainable parameters do not match this model's")
+    shapes = [p.shape for p in parameters.values()]
+    for (name, weight), shape in zip(checkpoint.weights.items(), shapes, strict=True):
+        if weight.shape != shape:
+            raise ValueError(f"checkpoint's {name} has shape {list(weight.shape)}, not {shape}")
+    for index, state in (checkpoint.optimizer_state or {}).items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            if field in state and state[field].shape != shapes[index]:
+                raise BadFileError(
+                    checkpoint.folder / OPTIMIZER_FILE, f"{index}.{field} has the wrong shape"
+                )
 
 
-def load_trainable_weights(
-    folder: Path, parameters: dict[str, Tensor], device: torch.device
-) -> None:
-    """Copy the saved weights into ``parameters``, in place."""
-    weights = load_file(folder / TRAINABLE_FILE, device=str(device))
+def apply_trainable_weights(checkpoint: TrainingCheckpoint, parameters: dict[str, Tensor]) -> None:
+    """Copy the checkpoint's weights into ``parameters``, in place."""
     with torch.no_grad():
         for name, parameter in parameters.items():
-            parameter.copy_(weights[name])
+            parameter.copy_(checkpoint.weights[name])
 
 
-def load_optimizer_state(
-    folder: Path, optimizer: torch.optim.Optimizer, param_groups: list[dict[str, Any]]
-) -> None:
-    """Load the saved AdamW state into a fresh ``optimizer`` over the same parameters."""
+def apply_optimizer_state(checkpoint: TrainingCheckpoint, optimizer: torch.optim.Optimizer) -> None:
+    """Load the checkpoint's AdamW state into a fresh ``optimizer`` over the same parameters."""
     # On CPU: load_state_dict moves moments to their parameter's device and keeps
     # AdamW's "step" counters on the CPU, where non-capturable AdamW wants them.
-    tensors = load_file(folder / OPTIMIZER_FILE, device="cpu")
-    state: dict[int, dict[str, Tensor]] = {}
-    for key, value in tensors.items():
-        index, _, field = key.partition(".")
-        state.setdefault(int(index), {})[field] = value
+    assert checkpoint.optimizer_state is not None, "read with optimizer=True"
+    param_groups = copy.deepcopy(checkpoint.optimizer_param_groups)
     for group in param_groups:
         group["betas"] = tuple(group["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    optimizer.load_state_dict({"state": checkpoint.optimizer_state, "param_groups": param_groups})
 
 
-def load_rng_states(folder: Path) -> None:
+def apply_rng_states(checkpoint: TrainingCheckpoint) -> None:
     """Restore the torch RNG states saved with the checkpoint."""
-    _set_rng_states(load_file(folder / RNG_FILE))
+    assert checkpoint.rng_states is not None, "read with optimizer=True"
+    _set_rng_states(checkpoint.rng_states)
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """``trainer_state.json``, its fields checked (a hand-edited or cut file fails here)."""
+    meta = read_json_object(path)
+    expected: dict[str, type | tuple[type, ...]] = {
+        "version": int,
+        "use_lora": bool,
+        "lora": (dict, type(None)),
+        "parameter_names": list,
+        "optimizer_param_groups": list,
+    }
+    for key, kind in expected.items():
+        if not isinstance(meta.get(key), kind) or (kind is int and isinstance(meta[key], bool)):
+            raise BadFileError(path, f"{key} is missing or not a {_kind_name(kind)}")
+    if not all(isinstance(name, str) for name in meta["parameter_names"]):
+        raise BadFileError(path, "parameter_names holds something other than names")
+    groups = meta["optimizer_param_groups"]
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        raise BadFileError(path, "optimizer_param_groups is not a list of AdamW param groups")
+    indices = sorted(index for group in groups for index in group["params"])
+    if indices != list(range(len(meta["parameter_names"]))):
+        raise BadFileError(path, "optimizer_param_groups do not cover the parameters once each")
+    return meta
+
+
+def _load(path: Path, device: str) -> dict[str, Tensor]:
+    check_safetensors(path)
+    return load_file(path, device=device)
+
+
+def _optimizer_state(path: Path, num_parameters: int) -> dict[int, dict[str, Tensor]]:
+    state: dict[int, dict[str, Tensor]] = {}
+    for key, value in _load(path, "cpu").items():
+        index, _, field = key.partition(".")
+        if not index.isdigit() or int(index) >= num_parameters or not field:
+            raise BadFileError(path, f"tensor {key!r} names no parameter's AdamW state")
+        state.setdefault(int(index), {})[field] = value
+    return state
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
 def _rng_states() -> dict[str, Tensor]:

@@ -298,9 +298,7 @@ class Trainer:
 
     def save_training_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Trainable weights (all of them, or the adapter), AdamW state, version and torch
-        RNG states: enough to resume bit-for-bit on the same base model. The folder holds
-        safetensors files and ``trainer_state.json``, written last: without it the folder
-        is an interrupted save."""
+        RNG states: enough to resume bit-for-bit on the same base model (``checkpoints``)."""
         return checkpoints.save_training_checkpoint(
             path,
             self.trainable_parameters(),
@@ -314,26 +312,28 @@ class Trainer:
     def load_training_checkpoint(
         self, path: str | os.PathLike[str], load_optimizer: bool = True
     ) -> None:
-        """Restore a training checkpoint. ``load_optimizer=False`` loads the weights only,
-        with a fresh optimizer at version 0 (a fork rather than a resume)."""
-        folder = Path(path)
-        meta = checkpoints.read_training_state(folder)
+        """Restore a training checkpoint (``load_optimizer=False``: the weights only, with a
+        fresh optimizer at version 0: a fork, not a resume). Every file is read and checked
+        first: a damaged or unfitting checkpoint raises and leaves the trainer as it was."""
+        checkpoint = checkpoints.read_training_checkpoint(
+            path, optimizer=load_optimizer, device=str(self.device)
+        )
+        parameters = self.trainable_parameters()
         checkpoints.check_compatible(
-            meta,
+            checkpoint,
             use_lora=self.use_lora,
             lora_settings=self.lora_settings,
-            parameter_names=list(self.trainable_parameters()),
+            parameters=parameters,
             precision=self.precision if load_optimizer else None,
         )
-        checkpoints.load_trainable_weights(folder, self.trainable_parameters(), self.device)
-        self._optimizer = self._new_optimizer()
-        self._version = 0
+        optimizer = self._new_optimizer()
         if load_optimizer:
-            checkpoints.load_optimizer_state(
-                folder, self._optimizer, meta["optimizer_param_groups"]
-            )
-            self._version = int(meta["version"])
-            checkpoints.load_rng_states(folder)
+            checkpoints.apply_optimizer_state(checkpoint, optimizer)
+        checkpoints.apply_trainable_weights(checkpoint, parameters)
+        self._optimizer = optimizer
+        self._version = checkpoint.version if load_optimizer else 0
+        if load_optimizer:
+            checkpoints.apply_rng_states(checkpoint)
         self._zero_grad()
 
     # ------------------------------------------------------------ internals
