@@ -1,6 +1,7 @@
 """The sharded trainer (``num_trainer_workers=2``: two Ray actors, FSDP2 over gloo on
 loopback) behind ``RayModelService``: one step equals one process's, for full weight and
-LoRA (and, within bf16's rounding, for bf16 weights); the weights reach torch replicas by
+LoRA (and with gradient checkpointing and the KL reference; within bf16's rounding, for bf16
+weights); the weights reach torch replicas by
 broadcast (and through the object store); a sharded checkpoint resumes exactly at two
 workers and in one process, and a damaged one is refused before anything changes; a killed
 worker is named, not waited on; ``train_multi_turn`` trains with two workers, lockstep and
@@ -255,23 +256,58 @@ def test_a_killed_worker_is_named_within_seconds_not_waited_on(second: RayModelS
     assert reported_after < 30
 
 
-# ---------------------------------------------------------------- bf16 weights
+# ---------------------------------------------------------------- in two processes, no Ray
+
+VARIANTS: dict[str, tuple[dict[str, Any], LossConfig]] = {
+    "bf16": ({"precision": "bf16"}, LOSS),
+    "checkpointed-kl": (
+        {"gradient_checkpointing": True, "reference_model": True},
+        LossConfig(kl_beta=0.1),
+    ),
+}
+"""Trainer options checked in two spawned processes (cheaper than Ray actors): bf16 weights
+with fp32 masters; gradient checkpointing with the KL term's frozen reference, sharded too."""
 
 
-def bf16_rank(rank: int, address: str, model: str, out: str) -> None:
-    """One rank of a two-process bf16 trainer (spawned: no Ray needed to check the step)."""
+def variant_rank(rank: int, address: str, model: str, variant: str, out: str) -> None:
+    """One rank of a two-process trainer: one step, then its merged weights (rank 0)."""
     torch.set_num_threads(1)
+    loss_config = VARIANTS[variant][1]
     group = TrainerGroup(rank, 2, address, timeout_s=120)
-    trainer = Trainer.from_settings(model, bf16_settings(), group=group)
-    loss, optim = trainer.forward_backward(batch(), LOSS), trainer.optim_step(LR)
+    trainer = Trainer.from_settings(model, variant_settings(variant), group=group)
+    loss, optim = trainer.forward_backward(batch(), loss_config), trainer.optim_step(LR)
     weights = trainer.state_dict_for_inference()
     if rank == 0:
-        torch.save({"loss": loss.loss, "grad_norm": optim.grad_norm, "weights": weights}, out)
+        torch.save({"step": (loss, optim), "weights": weights}, out)
     trainer.close()
 
 
-def bf16_settings() -> TrainerSettings:
-    return dataclasses.replace(settings(False), precision="bf16")
+def variant_settings(variant: str) -> TrainerSettings:
+    return dataclasses.replace(settings(False), **VARIANTS[variant][0])
+
+
+def two_process_step(model: Path, variant: str, folder: Path) -> dict[str, Any]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    out = folder / "rank0.pt"
+    mp.spawn(variant_rank, args=(address, str(model), variant, str(out)), nprocs=2)
+    result: dict[str, Any] = torch.load(out, weights_only=False)
+    return result
+
+
+def test_gradient_checkpointing_and_the_kl_reference_shard_with_the_same_step(
+    scale_model: Path, tmp_path: Path
+) -> None:
+    sharded = two_process_step(scale_model, "checkpointed-kl", tmp_path)
+    one = Trainer.from_settings(str(scale_model), variant_settings("checkpointed-kl"))
+    before = one.state_dict_for_inference()
+    expected = one.forward_backward(batch(), VARIANTS["checkpointed-kl"][1]), one.optim_step(LR)
+    assert expected[0].metrics["loss/kl_ref"] == 0.0  # the first step: the policy is the reference
+    assert_same_step(sharded["step"], expected)
+    after = one.state_dict_for_inference()
+    assert max_weight_gap(after, before) > 0.5 * LR
+    assert max_weight_gap(sharded["weights"], after) < WEIGHT_TOL
 
 
 def test_bf16_weights_with_fp32_masters_shard_too_within_bf16_rounding(
@@ -279,19 +315,15 @@ def test_bf16_weights_with_fp32_masters_shard_too_within_bf16_rounding(
 ) -> None:
     """``MasterWeightAdamW`` steps each rank's shards (masters and moments are sharded like
     their weights). bf16 gradients summed in another order differ in their last bits, so
-    the bound is on the update as a whole: measured, 0.05% of the weights differ (a tiny
-    gradient's sign, one rounding step) and the updates' cosine is 0.9997."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    out = tmp_path / "rank0.pt"
-    mp.spawn(bf16_rank, args=(address, str(scale_model), str(out)), nprocs=2)
-    sharded = torch.load(out)
-    one = Trainer.from_settings(str(scale_model), bf16_settings())
+    the bound is on the update as a whole: measured, 0.05-0.1% of the weights differ (a tiny
+    gradient's sign, one rounding step) and the updates' cosine is 0.9997-0.9998."""
+    sharded = two_process_step(scale_model, "bf16", tmp_path)
+    one = Trainer.from_settings(str(scale_model), variant_settings("bf16"))
     start = {name: t.float() for name, t in one.state_dict_for_inference().items()}
     loss, optim = one.forward_backward(batch(), LOSS), one.optim_step(LR)
-    assert sharded["loss"] == pytest.approx(loss.loss, rel=1e-6)
-    assert sharded["grad_norm"] == pytest.approx(optim.grad_norm, rel=1e-4)
+    got_loss, got_optim = sharded["step"]
+    assert got_loss.loss == pytest.approx(loss.loss, rel=1e-6)
+    assert got_optim.grad_norm == pytest.approx(optim.grad_norm, rel=1e-4)
     weights = one.state_dict_for_inference()
     expected = torch.cat([(weights[n].float() - start[n]).flatten() for n in start])
     got = torch.cat([(sharded["weights"][n].float() - start[n]).flatten() for n in start])

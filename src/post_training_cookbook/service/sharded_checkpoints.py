@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -122,7 +123,9 @@ def load_sharded_checkpoint(
     if load_optimizer:
         wanted["optim"] = optimizer_state
     try:
-        dcp.load(wanted, checkpoint_id=folder, no_dist=not _distributed())
+        with warnings.catch_warnings():  # one process loading: what DCP warns about is meant
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(wanted, checkpoint_id=folder, no_dist=not _distributed())
     except Exception as error:
         raise BadFileError(folder, f"DCP could not read it: {error}") from error
     rng = None
