@@ -30,9 +30,9 @@ death, so nothing waits forever, and the ranks still alive give up their collect
 the collective timeout. The service replaces no actor: the run stops and resumes from its
 last checkpoint.
 
-A little over 400 lines: the service is one class whose calls share the failure and version
-bookkeeping; the actors are in ``ray_actors``, their start in ``ray_startup``, the routing
-in ``routing``.
+About 450 lines: the service is one class whose calls share the failure and version
+bookkeeping (fanning out to the trainer ranks added to it); the actors are in
+``ray_actors``, their start in ``ray_startup``, the routing in ``routing``.
 """
 
 from __future__ import annotations
@@ -132,11 +132,10 @@ class RayModelService(ModelService):
         up. ``lora_sync``: how LoRA weights reach the engines, ``"adapter"`` (the adapter
         alone; vLLM only, its LoRA kernels run the adapter) or ``"merged"`` (full merged
         weights); None picks ``"adapter"`` for vLLM. ``weight_transport``: see the module."""
-        if num_generator_replicas < 1 or num_trainer_workers < 1:
-            raise ValueError(
-                "num_generator_replicas and num_trainer_workers must be >= 1, got "
-                f"{num_generator_replicas} and {num_trainer_workers}"
-            )
+        layout = ActorLayout(
+            num_trainer_workers, num_generator_replicas, num_cpus_per_actor,
+            num_gpus_per_trainer, num_gpus_per_generator,
+        )  # fmt: skip
         if weight_sync_timeout_s <= 0 or collective_timeout_s <= 0:
             raise ValueError(
                 "weight_sync_timeout_s and collective_timeout_s must be > 0, got "
@@ -148,9 +147,7 @@ class RayModelService(ModelService):
         )
         if adapter_sync and generation_engine != "vllm":
             raise ValueError("lora_sync='adapter' needs generation_engine='vllm'")
-        broadcast = not adapter_sync and _broadcasts(
-            weight_transport, num_trainer_workers, generation_engine, num_gpus_per_generator
-        )
+        broadcast = not adapter_sync and layout.broadcasts(weight_transport, generation_engine)
         spec = EngineSpec(
             kind=generation_engine,
             source=info.source,
@@ -161,10 +158,6 @@ class RayModelService(ModelService):
             max_lora_rank=trainer.lora_rank if adapter_sync else None,
             device="cuda" if num_gpus_per_generator > 0 else "cpu",
         )
-        layout = ActorLayout(
-            num_trainer_workers, num_generator_replicas, num_cpus_per_actor,
-            num_gpus_per_trainer, num_gpus_per_generator,
-        )  # fmt: skip
         actors = await start_actors(
             info.source, trainer, spec, layout, ray_address=ray_address,
             collective_timeout_s=collective_timeout_s, startup_timeout_s=startup_timeout_s,
@@ -343,12 +336,6 @@ class RayModelService(ModelService):
         """How full weights reach the generators: ``"broadcast"`` or ``"object_store"``."""
         return "broadcast" if self._broadcast else "object_store"
 
-    async def trainer_memory(self) -> list[dict[str, int]]:
-        """Each trainer rank's bytes of parameters, gradients and optimizer state that it
-        holds itself (its shards; benchmarks)."""
-        calls = [self._call(r, t.memory.remote()) for r, t in enumerate(self._trainers)]
-        return list(await asyncio.gather(*calls))
-
     @property
     def in_flight(self) -> list[int]:
         """Sequences being sampled on each replica now."""
@@ -419,22 +406,6 @@ class RayModelService(ModelService):
         closing = [g.close.remote() for g in self._generators]
         await asyncio.wait([asyncio.ensure_future(_awaited(c)) for c in closing], timeout=60)
         stop_actors(self._actors)
-
-
-def _broadcasts(
-    transport: WeightTransport, ranks: int, engine: GenerationEngine, generator_gpus: float
-) -> bool:
-    """Whether full weights go by broadcast (``weight_transport``): vLLM engines on GPUs
-    take them through the object store (vLLM's own weight-transfer API is not built here:
-    docs/scale_out.md)."""
-    if transport not in ("auto", "broadcast", "object_store"):
-        raise ValueError(f"weight_transport must be auto, broadcast or object_store: {transport}")
-    vllm_on_gpus = engine == "vllm" and generator_gpus > 0
-    if transport == "broadcast" and vllm_on_gpus:
-        raise ValueError("weight_transport='broadcast' reaches vLLM engines on CPU only")
-    if transport == "auto":
-        return ranks > 1 and not vllm_on_gpus
-    return transport == "broadcast"
 
 
 DEATH_REPORT_S = 10.0

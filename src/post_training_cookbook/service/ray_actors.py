@@ -141,9 +141,6 @@ class TrainerWorker:
     def save_inference_checkpoint(self, path: str) -> None:
         self.trainer.save_inference_checkpoint(Path(path))
 
-    def memory(self) -> dict[str, int]:
-        return self.trainer.memory()
-
     def close(self) -> None:
         self.trainer.close()
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from post_training_cookbook.service.ray_actors import EngineSpec, GeneratorWorker, TrainerWorker
 from post_training_cookbook.service.ray_env import connect_ray, init_local_ray
-from post_training_cookbook.service.types import TrainerSettings
+from post_training_cookbook.service.types import GenerationEngine, TrainerSettings, WeightTransport
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,28 @@ class ActorLayout:
     num_cpus_per_actor: float = 1.0
     num_gpus_per_trainer: float = 0.0
     num_gpus_per_generator: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.num_generator_replicas < 1 or self.num_trainer_workers < 1:
+            raise ValueError(
+                "num_generator_replicas and num_trainer_workers must be >= 1, got "
+                f"{self.num_generator_replicas} and {self.num_trainer_workers}"
+            )
+
+    def broadcasts(self, transport: WeightTransport, engine: GenerationEngine) -> bool:
+        """Whether full weights go by broadcast (``weight_transport``): vLLM engines on GPUs
+        take them through the object store (vLLM's own weight-transfer API is not built
+        here: docs/scale_out.md)."""
+        if transport not in ("auto", "broadcast", "object_store"):
+            raise ValueError(
+                f"weight_transport must be auto, broadcast or object_store: {transport}"
+            )
+        vllm_on_gpus = engine == "vllm" and self.num_gpus_per_generator > 0
+        if transport == "broadcast" and vllm_on_gpus:
+            raise ValueError("weight_transport='broadcast' reaches vLLM engines on CPU only")
+        if transport == "auto":
+            return self.num_trainer_workers > 1 and not vllm_on_gpus
+        return transport == "broadcast"
 
     @property
     def weight_device(self) -> str:
