@@ -341,10 +341,11 @@ def test_bf16_weights_with_fp32_masters_shard_too_within_bf16_rounding(
 def test_train_multi_turn_trains_three_steps_with_two_trainer_workers(
     scale_model: Path, ray_cluster: None, tmp_path: Path, async_mode: bool
 ) -> None:
-    """Lockstep trains LoRA, its merged weights broadcast to a torch replica; async trains
-    every weight, broadcast to vLLM replicas in PIPELINE mode. The checkpoints are sharded,
-    committed by the loop as any other (``complete.json`` lists DCP's files)."""
-    extra: dict[str, Any] = {"use_lora": True, "generation_engine": "torch"}
+    """Lockstep trains LoRA, its adapter alone gathered and sent to a vLLM replica (through
+    the object store); async trains every weight, broadcast to two vLLM replicas in PIPELINE
+    mode. The checkpoints are sharded, committed by the loop as any other (``complete.json``
+    lists DCP's files)."""
+    extra: dict[str, Any] = {"use_lora": True, "lora_rank": 8, "generation_engine": "vllm"}
     if async_mode:
         extra = {"use_lora": False, "generation_engine": "vllm", "max_steps_off_policy": 1,
                  "weight_sync_type": "pipeline", "num_generator_replicas": 2}  # fmt: skip

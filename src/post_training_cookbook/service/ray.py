@@ -362,6 +362,10 @@ class RayModelService(ModelService):
     async def _on_trainers(self, method: str, *args: Any) -> Any:
         """``method`` on every trainer rank; rank 0's result. The first rank to fail (or
         die) raises at once."""
+        if len(self._trainers) > 1:  # into the object store once, not once a rank
+            import ray
+
+            args = tuple(ray.put(arg) for arg in args)
         calls = [
             asyncio.ensure_future(self._call(rank, getattr(trainer, method).remote(*args)))
             for rank, trainer in enumerate(self._trainers)

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.service import checkpoints
-from post_training_cookbook.service.logprobs import MicroBatch, collate
+from post_training_cookbook.service.logprobs import MicroBatch, TokenLogprobs, collate
 from post_training_cookbook.service.types import TrainingSample
 
 
@@ -168,8 +168,16 @@ class Shards:
 
     # ------------------------------------------------------------ sharding
 
-    def shard(self, root: torch.nn.Module, model: torch.nn.Module, *, same_start: bool) -> None:
-        """Shard ``model`` (held by ``root``) layer by layer, then ``root`` with what is left.
+    def shard(
+        self,
+        root: torch.nn.Module,
+        model: torch.nn.Module,
+        *,
+        same_start: bool,
+        frozen: TokenLogprobs | None = None,
+    ) -> None:
+        """Shard ``model`` (held by ``root``) layer by layer, then ``root`` with what is left;
+        ``frozen`` (a frozen copy's module: the full-weight KL reference) the same way.
         ``same_start``: give every rank rank 0's trainable weights first (a LoRA adapter's
         random initialisation)."""
         if same_start:
@@ -187,13 +195,11 @@ class Shards:
                 module.set_gradient_divide_factor(1.0)  # a sum across ranks, not a mean
                 module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         self._root.set_reduce_scatter_unused_params(True)  # unused: zero, not missing
-        self._groups = _groups_by_module(model, layers, cast(FSDPModule, root), keys)
-
-    def shard_frozen(self, root: torch.nn.Module, model: torch.nn.Module) -> None:
-        """Shard a frozen copy (the full-weight KL reference) the same way."""
-        for layer in decoder_layers(model):
-            fully_shard(layer)
-        fully_shard(root)
+        self._groups = _groups_by_module(model, layers, self._root, keys)
+        if frozen is not None:
+            for layer in decoder_layers(frozen.model):
+                fully_shard(layer)
+            fully_shard(frozen)
 
     def reshard(self) -> None:
         """Back to shards only: FSDP keeps the root gathered after a forward, for the
@@ -209,6 +215,8 @@ class Shards:
     ) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the whole batch ``samples``; padding ones hold one
         short row with every mask 0 and ``indices == []``."""
+        if not samples:  # nothing to score, on every rank alike
+            return
         lengths = [len(sample.tokens) for sample in samples]
         plan = split_across_ranks(lengths, self.world_size, max_tokens)[self.rank]
         shortest = min(samples, key=lambda sample: len(sample.tokens)).tokens[:2]

@@ -173,15 +173,12 @@ class Trainer:
             self._model = get_peft_model(base, config, autocast_adapter_dtype=False)
         self._causal_lm = base  # with LoRA, peft injected its layers into this same module
         self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
-        if self._shards is not None:
-            self._shards.shard(self._scorer, base, same_start=use_lora)
-            if self._reference is not None:
-                self._shards.shard_frozen(self._reference, self._reference.model)
+        if self._shards is not None:  # (the KL reference too)
+            self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
         self._has_reference = reference_model
         self._optimizer = self._new_optimizer()
         self._version = 0
-        self._has_grads = False
-        self._nonfinite_loss = False
+        self._zero_grad()  # no gradients yet
 
     @classmethod
     def from_settings(
