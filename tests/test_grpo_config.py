@@ -261,6 +261,7 @@ def non_default_config() -> GRPOConfig:
         codec="qwen3",
         enable_thinking=False,
         preserve_thinking=True,
+        control_tokens_in_content=True,
         reasoning_effort="low",
         lora_rank=8,
         lora_alpha=16,

@@ -82,9 +82,9 @@ def _checked(
     check_episode_inputs(tasks, env_factory, purpose="train", val_tasks=val_tasks or ())
     info = resolve_model(config.model, codec=config.codec)
     check_model_can_sample(info, config.max_model_length)
+    require_weights(info)  # first: on a machine without them, nothing else is worth saying
     config = config.with_resolved_run_name()
     settings = RunSettings.from_config(config, info)  # checks the codec options too
-    require_weights(info)
     require_engine_support(info, settings.service.generation_engine)
     check_service_spec(settings.service)
     return config, settings
