@@ -310,7 +310,8 @@ def non_default_config() -> GRPOConfig:
         val_episodes_per_task=2,
         val_temperature=0.0,
         env_step_timeout_s=None,
-        env_errors="truncate",
+        env_errors="retry",
+        env_retry_attempts=3,
     )
 
 

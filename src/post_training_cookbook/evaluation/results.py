@@ -54,6 +54,8 @@ class EvalSettings:
     failed_parse_reward: float = 0.0
     env_errors: EnvErrorPolicy = "raise"
     env_step_timeout_s: float | None = 60.0
+    env_retry_attempts: int = 2
+    """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
         for name in ("episodes_per_task", "max_turns", "max_model_length", "max_tokens_per_turn"):
@@ -65,6 +67,8 @@ class EvalSettings:
             raise ValueError(
                 f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
             )
+        if self.env_retry_attempts < 1:
+            raise ValueError(f"env_retry_attempts must be >= 1, got {self.env_retry_attempts}")
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> EvalSettings:
@@ -80,6 +84,7 @@ class EvalSettings:
             failed_parse_reward=config.failed_parse_reward,
             env_errors=config.env_errors,
             env_step_timeout_s=config.env_step_timeout_s,
+            env_retry_attempts=config.env_retry_attempts,
         )
 
     def describe(self) -> str:

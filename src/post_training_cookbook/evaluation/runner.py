@@ -225,6 +225,7 @@ async def _play(
         failed_parse_reward=settings.failed_parse_reward,
         env_step_timeout_s=settings.env_step_timeout_s,
         env_errors=settings.env_errors,
+        env_retry_attempts=settings.env_retry_attempts,
     )
     runner = EpisodeRunner(env_factory, engine, codec, limits)
     params = SamplingParams(

@@ -50,6 +50,7 @@ def episode_metrics(
         "length_capped": sum(e.length_capped_turns > 0 for e in episodes) / count,
         "env_error_ratio": sum(e.env_error is not None for e in episodes) / count,
         "env_close_error_ratio": sum(e.close_error is not None for e in episodes) / count,
+        "env_retries": float(sum(e.env_retries for e in episodes)),
         "reward_variance_share": sum(varied) / len(groups),
         "turns_per_episode": turns / count,
         "tokens_per_episode": statistics.fmean(len(e.tokens) for e in episodes),

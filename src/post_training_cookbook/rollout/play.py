@@ -2,7 +2,8 @@
 
 How an episode ends (``Episode.truncation``):
 - ``None``: the env returned ``terminated=True``;
-- ``ENV``: the env returned ``truncated=True`` (or raised, under ``env_errors="truncate"``);
+- ``ENV``: the env returned ``truncated=True`` (or raised, under ``env_errors="truncate"``, or
+  under ``"retry"`` on every attempt);
 - ``MAX_TURNS``: ``max_turns`` assistant turns passed without the env ending the episode;
 - ``CONTEXT_OVERFLOW``: the next turn could not fit ``max_model_length`` (a turn cut short by
   the context budget, or tool results that would not fit);
@@ -144,24 +145,67 @@ async def run_episode(
 
     ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed).
     Whatever goes wrong with the env (``EnvFault``) gets the env error policy: under
-    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run."""
-    episode = Episode(task, [], [], [], [])
-    env: Env | None = None
+    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run;
+    under ``"retry"`` the episode is played again from the start (``with_retries``)."""
     this_task = asyncio.current_task()
     if this_task is not None:
         runner.in_flight.tasks.add(this_task)
+    try:
+        return await with_retries(
+            runner.limits, params, seed, functools.partial(_attempt, task, runner)
+        )
+    finally:
+        runner.in_flight.tasks.discard(this_task)
+
+
+async def with_retries(
+    limits: EpisodeLimits,
+    params: SamplingParams,
+    seed: int | None,
+    play_once: Callable[[SamplingParams, int | None], Awaitable[Episode]],
+) -> Episode:
+    """``play_once`` until an episode ends without an env error, at most ``limits.retries``
+    times more (none unless ``env_errors="retry"``); the last one stands, with the errors of
+    the attempts before it. Each attempt samples with seeds of its own, so a failure that
+    the sampled text provoked need not repeat; a failed attempt's episode is dropped whole,
+    so the group keeps as many real episodes as it was meant to have."""
+    retried: list[str] = []
+    while True:
+        attempt_params, attempt_seed = _attempt_seeds(params, seed, len(retried))
+        episode = await play_once(attempt_params, attempt_seed)
+        if episode.env_error is None or len(retried) >= limits.retries:
+            episode.retried_env_errors = retried
+            return episode
+        retried.append(episode.env_error)
+
+
+def _attempt_seeds(
+    params: SamplingParams, seed: int | None, attempt: int
+) -> tuple[SamplingParams, int | None]:
+    if attempt == 0:
+        return params, seed
+    if seed is not None:
+        return params, derive_seed(seed, "retry", attempt)
+    if params.seed is not None:
+        return replace(params, seed=derive_seed(params.seed, "retry", attempt)), None
+    return params, None
+
+
+async def _attempt(
+    task: Task, runner: EpisodeRunner, params: SamplingParams, seed: int | None
+) -> Episode:
+    """One try at the episode, on a fresh env; the env error policy applied to its faults."""
+    episode = Episode(task, [], [], [], [])
+    env: Env | None = None
     try:
         env = runner.build_env(task)
         await _play(episode, env, runner, params, seed)
     except EnvFault as fault:
         _env_failed(episode, env, fault, runner.limits)
     finally:
-        try:
-            if env is not None:
-                runner.release_env(env)
-                await _close(episode, env, runner.limits)
-        finally:
-            runner.in_flight.tasks.discard(this_task)
+        if env is not None:
+            runner.release_env(env)
+            await _close(episode, env, runner.limits)
     return episode
 
 
@@ -275,7 +319,8 @@ def _env_failed(episode: Episode, env: Env | None, fault: EnvFault, limits: Epis
 
 async def _close(episode: Episode, env: Env, limits: EpisodeLimits) -> None:
     """``env.close()``, once per episode; a failure gets the env error policy too (under
-    ``"truncate"`` it is recorded, and counted, as the episode's ``close_error``)."""
+    ``"truncate"`` and ``"retry"`` it is recorded, and counted, as the episode's
+    ``close_error``: the episode itself stands, and is not played again)."""
     try:
         await call_env(env.close, "close", limits.env_step_timeout_s)
     except EnvFault as fault:

@@ -29,6 +29,7 @@ def episode_record(episode: Episode) -> dict[str, Any]:
         "metrics": episode.metrics,
         "env_error": episode.env_error,
         "close_error": episode.close_error,
+        "retried_env_errors": episode.retried_env_errors,
         "token_ids": episode.tokens,
         "mask": [int(bit) for bit in episode.mask],
         "versions": episode.versions,

@@ -26,9 +26,12 @@ class TruncationCause(enum.Enum):
     PARSE_FAILURE = "parse_failure"
 
 
-EnvErrorPolicy = Literal["raise", "truncate"]
+EnvErrorPolicy = Literal["raise", "truncate", "retry"]
 """What an env error (an env call that raised or timed out) does: ``"raise"`` stops the run,
-naming the task and the turn; ``"truncate"`` ends the episode as ``ENV`` and counts it."""
+naming the task and the turn; ``"truncate"`` ends the episode as ``ENV`` and counts it;
+``"retry"`` plays the episode again from the start with a fresh env (and other sampling
+seeds), up to ``env_retry_attempts`` times, then ends it as ``"truncate"`` does. Each retry
+is counted (``env_retries``)."""
 ENV_ERROR_POLICIES: tuple[str, ...] = get_args(EnvErrorPolicy)
 
 
@@ -43,6 +46,21 @@ class EpisodeLimits:
     env_step_timeout_s: float | None = 60.0
     """A ``reset``/``step``/``close`` that takes longer is an env error (None = no limit)."""
     env_errors: EnvErrorPolicy = "raise"
+    env_retry_attempts: int = 2
+    """Under ``env_errors="retry"``: how many times a failed episode is played again."""
+
+    def __post_init__(self) -> None:
+        if self.env_errors not in ENV_ERROR_POLICIES:
+            raise ValueError(
+                f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
+            )
+        if self.env_retry_attempts < 1:
+            raise ValueError(f"env_retry_attempts must be >= 1, got {self.env_retry_attempts}")
+
+    @property
+    def retries(self) -> int:
+        """How many times a failed episode may be played again (0 unless retrying)."""
+        return self.env_retry_attempts if self.env_errors == "retry" else 0
 
 
 class EnvStepError(RuntimeError):
@@ -76,7 +94,14 @@ class Episode:
     length_capped_turns: int = 0
     """Turns cut at ``max_tokens_per_turn`` (not counting a context-budget cut)."""
     close_error: str | None = None
-    """``env.close()`` failed (under ``env_errors="truncate"``); the episode itself stands."""
+    """``env.close()`` failed (under ``env_errors="truncate"`` or ``"retry"``); the episode
+    itself stands."""
+    retried_env_errors: list[str] = field(default_factory=list)
+    """Under ``env_errors="retry"``: the env error of each earlier attempt, played again."""
+
+    @property
+    def env_retries(self) -> int:
+        return len(self.retried_env_errors)
 
     @property
     def terminated(self) -> bool:
