@@ -10,10 +10,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.cli.loading import (
-    DEFAULT_ENV,
-    DEFAULT_TASKS,
     CliError,
+    eval_env,
     load_env_factory,
+    load_mixture,
     load_tasks,
     load_train_config,
 )
@@ -30,12 +30,15 @@ def run_train(args: argparse.Namespace) -> int:
     from post_training_cookbook.grpo.train import train_multi_turn
 
     config, env = load_train_config(args.config, args.overrides)
-    if "tasks" not in env:
-        raise CliError(f"{args.config}: env.tasks is missing (the tasks to train on)")
-    factory = load_env_factory(env["factory"])
-    tasks = load_tasks(env["tasks"])
-    val_tasks = load_tasks(env["val_tasks"]) if "val_tasks" in env else None
-    run = train_multi_turn(config, tasks, factory, val_tasks)
+    if "mixture" in env:
+        run = train_multi_turn(config, load_mixture(env["mixture"]))
+    else:
+        if "tasks" not in env:
+            raise CliError(f"{args.config}: env.tasks is missing (the tasks to train on)")
+        factory = load_env_factory(env["factory"])
+        tasks = load_tasks(env["tasks"])
+        val_tasks = load_tasks(env["val_tasks"]) if "val_tasks" in env else None
+        run = train_multi_turn(config, tasks, factory, val_tasks)
     print(f"run: {run.path}")
     print(f"final model: {run.final_model_dir}")
     print(f"next: {PROG} plot {run.path}  |  {PROG} view {run.path}")
@@ -54,8 +57,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.step is not None and args.compare:
         raise CliError("--step applies to one MODEL; with --compare, name checkpoint folders")
     settings = _eval_settings(args, config)
-    factory = load_env_factory(args.env or env.get("factory") or DEFAULT_ENV)
-    tasks = load_tasks(args.tasks or env.get("val_tasks") or env.get("tasks") or DEFAULT_TASKS)
+    factory, tasks = eval_env(args.env, args.tasks, env)
     tasks = tasks[: args.num_tasks] if args.num_tasks else tasks
     codec = args.codec or (config.codec if config else None)
     results: list[EvalResult] = []

@@ -27,6 +27,7 @@ from post_training_cookbook.rollout import (
     Group,
     TruncationCause,
     episode_metrics,
+    per_env_metrics,
 )
 
 if TYPE_CHECKING:
@@ -180,7 +181,7 @@ def summarize(
 ) -> tuple[dict[str, float], dict[str, LevelResult], list[TaskResult]]:
     """The ``eval/`` metrics, per-level and per-task results of one group per task."""
     tasks = [_task_result(index, group, settings) for index, group in enumerate(groups)]
-    metrics = episode_metrics(groups, prefix="eval/")
+    metrics = episode_metrics(groups, prefix="eval/") | per_env_metrics(groups, "eval/")
     for k in ks:
         metrics[f"eval/pass@{k}"] = statistics.fmean(task.pass_at(k) for task in tasks)
     levels: dict[str, LevelResult] = {}

@@ -37,12 +37,13 @@ from dataclasses import dataclass, field
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
+from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.grpo.advantages import (
     RewardShaping,
     build_training_batch,
     is_informative,
 )
-from post_training_cookbook.grpo.data import TaskStream
+from post_training_cookbook.grpo.data import TaskSource, task_stream
 from post_training_cookbook.grpo.lockstep import (
     rollout_metrics,
     save_checkpoint,
@@ -160,7 +161,7 @@ class RolloutWorkers:
         self,
         episodes: EpisodeRunner,
         service: ModelService,
-        stream: TaskStream,
+        stream: TaskSource,
         ledger: PositionLedger,
         params: SamplingParams,
         steps: StepSettings,
@@ -305,7 +306,9 @@ async def admit_groups(
     return admission
 
 
-async def run_async(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) -> None:
+async def run_async(
+    run: Run, tasks: Sequence[Task] | EnvMixture, val_tasks: Sequence[Task]
+) -> None:
     """Async steps while ``groups_in_flight`` rollout workers keep collecting."""
     steps, schedule, service = run.settings.steps, run.settings.schedule, run.service
     async_settings = run.settings.async_
@@ -314,7 +317,7 @@ async def run_async(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) 
     ledger = (
         PositionLedger(resumed.task_cursor, resumed.done_positions) if resumed else PositionLedger()
     )
-    stream = TaskStream(tasks, steps.seed)
+    stream = task_stream(tasks, steps.seed)
     workers = RolloutWorkers(
         run.episodes, service, stream, ledger, run.train_params, steps, async_settings
     )

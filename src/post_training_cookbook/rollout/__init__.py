@@ -15,6 +15,7 @@ from post_training_cookbook.rollout.metrics import (
     env_reward,
     episode_metrics,
     has_reward_variance,
+    per_env_metrics,
 )
 from post_training_cookbook.rollout.play import (
     EpisodeRunner,
@@ -23,6 +24,7 @@ from post_training_cookbook.rollout.play import (
     play_group,
     play_groups,
     run_episode,
+    with_retries,
 )
 from post_training_cookbook.rollout.records import episode_record
 from post_training_cookbook.rollout.types import (
@@ -56,7 +58,9 @@ __all__ = [
     "episode_metrics",
     "episode_record",
     "has_reward_variance",
+    "per_env_metrics",
     "play_group",
     "play_groups",
     "run_episode",
+    "with_retries",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 
+from post_training_cookbook.envs.mixture import env_name
 from post_training_cookbook.rollout.types import Episode, Group, TruncationCause
 
 RewardOf = Callable[[Episode], float]
@@ -62,6 +63,23 @@ def episode_metrics(
     for key, values in _env_metric_values(episodes).items():
         metrics[f"env/{key}"] = statistics.fmean(values)
     return {prefix + key: value for key, value in metrics.items()}
+
+
+def per_env_metrics(
+    groups: Sequence[Group], prefix: str = "rollout/", reward_of: RewardOf = env_reward
+) -> dict[str, float]:
+    """``episode_metrics`` of each env's groups under ``<prefix><env>/``, with the env's
+    group count, for tasks that name their env (a mixture's, ``metadata["env"]``)."""
+    by_env: dict[str, list[Group]] = {}
+    for group in groups:
+        name = env_name(group.task)
+        if name is not None:
+            by_env.setdefault(name, []).append(group)
+    metrics: dict[str, float] = {}
+    for name, env_groups in sorted(by_env.items()):
+        metrics |= episode_metrics(env_groups, f"{prefix}{name}/", reward_of)
+        metrics[f"{prefix}{name}/groups"] = float(len(env_groups))
+    return metrics
 
 
 def _env_metric_values(episodes: Sequence[Episode]) -> dict[str, list[float]]:
