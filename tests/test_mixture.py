@@ -28,7 +28,9 @@ from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolU
 from post_training_cookbook.grpo.data import MixtureStream, TaskStream, task_stream
 from post_training_cookbook.grpo.reporting import WandbLogger
 from post_training_cookbook.grpo.train import train_multi_turn
+from post_training_cookbook.plots import plot_run
 from post_training_cookbook.rollout import Episode, Group, per_env_metrics
+from post_training_cookbook.viewer import format_step, load_step, render_html
 
 WEIGHTS = {"game": 1.0, "calculator": 2.0, "notes": 5.0}
 
@@ -176,6 +178,19 @@ def test_a_mixture_run_logs_per_env_metrics_in_metrics_jsonl_and_wandb(
     assert any("val/always/reward_mean" in entry for entry in logged)
     final_validation = read_jsonl(run.path / "metrics.jsonl")[-1]
     assert final_validation["val/half/groups"] == 1.0
+    # the plot draws a reward line per env, the viewer names each episode's env
+    reward, validation, *_ = plot_run(run.path).axes
+    assert {"always", "half", "never"} <= set(reward.get_legend_handles_labels()[1])
+    assert {"always", "half"} <= set(validation.get_legend_handles_labels()[1])
+    view = load_step(run.path, 1)
+    shown = {episode.env for episode in view.episodes}
+    text = format_step(view, None, color=False)
+    per_env_summary = text.splitlines()[1].split(" · envs: ")[1]
+    assert [part.split()[0] for part in per_env_summary.split(", ")] == sorted(shown)
+    assert all(f"· env {name} ·" in text for name in shown)
+    only = format_step(view, None, color=False, env="half")
+    assert "· env half ·" in only and "· env always ·" not in only
+    assert "<td>half</td>" in render_html(view, None)
 
 
 def test_a_resumed_mixture_run_trains_on_the_tasks_of_an_uninterrupted_one(

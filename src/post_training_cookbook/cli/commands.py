@@ -113,6 +113,7 @@ def run_view(args: argparse.Namespace) -> int:
         return 0
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     options = {"limit": args.limit, "group": args.group, "full_prompt": args.full_prompt}
+    options["env"] = args.env
     print(format_step(view, decode, color=color, **options))
     return 0
 

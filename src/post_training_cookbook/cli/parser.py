@@ -208,6 +208,7 @@ def _add_view(subparsers: Any) -> None:
     parser.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML")
     parser.add_argument("--limit", type=_positive, metavar="N", help="show at most N episodes")
     parser.add_argument("--group", type=int, metavar="G", help="only group G's episodes")
+    parser.add_argument("--env", metavar="NAME", help="only env NAME's episodes (a mixture run)")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     parser.add_argument("--full-prompt", action="store_true", help="show the prompt's tokens")
     parser.set_defaults(run=commands.run_view)
