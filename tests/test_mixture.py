@@ -21,7 +21,7 @@ from test_grpo_common import (
 )
 from test_grpo_resume import forget_after
 
-from post_training_cookbook.envs import Task
+from post_training_cookbook.envs import Task, check_env
 from post_training_cookbook.envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry, env_name
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
@@ -232,3 +232,22 @@ def test_evaluating_a_mixtures_tasks_needs_nothing_but_its_factory():
         return names
 
     assert asyncio.run(first_replies()) == {"ToolUseGameEnv", "MathEnv"}
+
+
+def test_check_env_checks_each_env_of_a_mixture_on_its_own_tasks_naming_it():
+    class Broken(MathEnv):
+        async def step(self, message):
+            raise KeyError("no such sandbox")
+
+    mixture = EnvMixture(
+        [
+            MixtureEntry("calculator", CALCULATOR_TASKS[:5], lambda t: MathEnv()),
+            MixtureEntry("broken", CALCULATOR_TASKS[5:10], lambda t: Broken()),
+        ]
+    )
+    report = check_env(mixture, num_tasks=2)
+    assert report.errors and all(line.startswith("env 'broken' [") for line in report.errors)
+    assert any("step raised KeyError('no such sandbox')" in line for line in report.errors)
+    assert report.episodes_run == 2 * 2 * 8  # two envs, two tasks each, every script
+    with pytest.raises(ValueError, match="drop tasks"):
+        check_env(mixture, mixture.tasks)

@@ -9,6 +9,8 @@ weighted mixtures of envs (``mixture``).
 from post_training_cookbook.envs.arithmetic import safe_eval
 from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, ToolResult, tool_to_spec
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
+from post_training_cookbook.envs.judge import JudgeError, JudgeReward, LocalJudge, OpenAIJudge
+from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
 from post_training_cookbook.envs.rewards import (
     RewardFn,
     Rubric,
@@ -23,7 +25,13 @@ __all__ = [
     "Env",
     "EnvCheckError",
     "EnvCheckReport",
+    "EnvMixture",
     "FunctionTool",
+    "JudgeError",
+    "JudgeReward",
+    "LocalJudge",
+    "MixtureEntry",
+    "OpenAIJudge",
     "RewardFn",
     "Rubric",
     "StepResult",
