@@ -405,9 +405,9 @@ def test_the_yaml_of_docs_cli_md_loads_as_a_config_and_an_env_section(tmp_path):
     from post_training_cookbook.cli.loading import load_train_config
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
-    (block,) = text.split("```yaml\n")[1:]
+    block, mixture_section = (part.split("```")[0] for part in text.split("```yaml\n")[1:])
     path = tmp_path / "calculator.yaml"
-    path.write_text(block.split("```")[0])
+    path.write_text(block)
     config, env = load_train_config(path, ["num_steps=2"])
     assert config.learning_rate == 1e-4 and config.wandb_project is None
     assert config.num_steps == 2
@@ -416,3 +416,11 @@ def test_the_yaml_of_docs_cli_md_loads_as_a_config_and_an_env_section(tmp_path):
         "tasks": "calculator_env:TRAIN_TASKS",
         "val_tasks": "calculator_env:VAL_TASKS",
     }
+    # the mixture's env section, in place of the single env's
+    path.write_text(block.split("env:\n")[0] + mixture_section)
+    _, env = load_train_config(path)
+    assert [(entry["name"], entry["weight"]) for entry in env["mixture"]] == [
+        ("calculator", 1.0),
+        ("game", 3.0),
+    ]
+    assert env["mixture"][1]["factory"].endswith("tool_use_game:ToolUseGameEnv")

@@ -5,6 +5,8 @@ retries, malformed scores, refusals, and judge failures under the env error poli
 from __future__ import annotations
 
 import asyncio
+import runpy
+import sys
 import time
 
 import pytest
@@ -224,3 +226,28 @@ def test_a_local_judge_answers_through_our_engine_and_its_reply_is_parsed_as_any
     replies, score = asyncio.run(judged())
     assert len(set(replies)) == 1  # greedy, batched together: the same reply
     assert score == parse_score(replies[0], 100)
+
+
+def test_the_tutorials_judge_block_runs_against_the_endpoint_the_environment_names(
+    server, tmp_path, monkeypatch, capsys
+):
+    from test_eval_tutorial import code_blocks
+
+    env_file = code_blocks("python")[0]
+    (judged,) = code_blocks("python", marked=True)
+    (tmp_path / "calculator_env.py").write_text(env_file)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "calculator_env", raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-loopback-only")
+    with serving(server) as base_url:
+        monkeypatch.setenv("OPENAI_BASE_URL", base_url)
+        namespace = runpy.run_path(_write(tmp_path / "judged.py", judged), run_name="__main__")
+    monkeypatch.delitem(sys.modules, "calculator_env", raising=False)
+    assert server.requests and all(r["body"]["model"] == "gpt-4.1-mini" for r in server.requests)
+    assert namespace["judge"].stats.requests == len(server.requests)
+    assert "check_env: 0 errors" in capsys.readouterr().out
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text)
+    return str(path)
