@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from array import array
 from collections.abc import Sequence
 
 from post_training_cookbook.envs.base import Task
@@ -76,9 +77,9 @@ class MixtureStream(_Positions):
         ]
         self._cumulative = list(itertools.accumulate(mixture.weights))
         self._draws = random.Random(f"{seed}/mixture")
-        self._env_at: list[int] = []
-        """Per position handed out so far: the index of its env..."""
-        self._ordinal_at: list[int] = []
+        self._env_at = array("q")
+        """Per position drawn so far: the index of its env..."""
+        self._ordinal_at = array("q")
         """...and how many positions before it drew that env (its place in the env's stream)."""
         self._counts = [0] * len(self._streams)
         self.cursor = cursor
