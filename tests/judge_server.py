@@ -29,8 +29,21 @@ class JudgeServer:
     def __init__(self, slow_s: float = 2.0) -> None:
         self.slow_s = slow_s
         self.requests: list[dict[str, Any]] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        """The most requests the server was answering at once."""
         self._seen: set[str] = set()
         self._lock = threading.Lock()
+
+    def answer_counted(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            return self.answer(body)
+        finally:
+            with self._lock:
+                self.in_flight -= 1
 
     def answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         graded = body["messages"][-1]["content"].split("Answer to grade:\n")[-1]
@@ -73,7 +86,7 @@ def serving(server: JudgeServer) -> Iterator[str]:
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             server.requests.append({"body": body, "authorization": self.headers["Authorization"]})
-            status, payload = server.answer(body)
+            status, payload = server.answer_counted(body)
             data = json.dumps(payload).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")

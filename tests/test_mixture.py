@@ -215,7 +215,7 @@ def test_a_mixture_brings_its_own_factories_and_validation_tasks(tiny_llama_dir,
     mixture = scripted_mixture(Closes())
     with pytest.raises(ValueError, match="leave env_factory and val_tasks out"):
         train_multi_turn(config, mixture, mixture.env_factory)
-    with pytest.raises(ValueError, match="env_factory is missing"):
+    with pytest.raises(ValueError, match="env_factory must be a callable"):
         train_multi_turn(config, mixture.tasks)
     assert not (tmp_path / "run").exists()
 

@@ -83,7 +83,7 @@ def _episode_inputs(
     """The env factory and the validation tasks: the caller's, or a mixture's own."""
     if not isinstance(tasks, EnvMixture):
         if env_factory is None:
-            raise ValueError("env_factory is missing: pass a callable that builds a fresh Env")
+            raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
         return env_factory, list(val_tasks or [])
     if env_factory is not None or val_tasks is not None:
         raise ValueError(
