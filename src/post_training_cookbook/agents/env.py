@@ -16,13 +16,15 @@ logprobs and policy versions (``episode.py``), in one segment per unbroken histo
 
 The reward: what the agent returns (a finite number), or, with ``reward_fn``, what
 ``reward_fn(task, messages)`` says of the transcript (the agent's return is then ignored).
-When a limit ended the episode (``MAX_TURNS``, ``CONTEXT_OVERFLOW``: the agent's next call
-was refused), an agent that raises is not an error: the reward is ``reward_fn``'s, else 0.0.
-A ``PARSE_FAILURE`` gets ``failed_parse_reward``. An agent that raises otherwise, returns no
-number, or runs past ``timeout_s`` is an env error, under the run's env error policy.
+When the episode ended before the agent did (``MAX_TURNS``, ``CONTEXT_OVERFLOW``,
+``PARSE_FAILURE``: its next call was refused), an agent that raises is not an error: the
+reward is ``reward_fn``'s, else 0.0; a ``PARSE_FAILURE`` always gets ``failed_parse_reward``.
+An agent that raises otherwise, returns no number, or runs past ``timeout_s`` is an env
+error, under the run's env error policy.
 
-Metrics (``rollout/env/…`` in a run): ``agent_requests``, ``agent_segments`` and
-``agent_history_breaks`` (calls whose history did not continue what was served), per episode.
+Metrics (``rollout/env/…`` in a run), per episode: ``agent_requests``, ``agent_segments``
+(token sequences trained as samples) and ``agent_history_breaks`` (calls after the first
+whose history did not continue a served turn, each one a split).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ class AgentEnv(Env):
             server.close_episode(route.episode_id)
             endpoint.close()
         self._messages = list(endpoint.transcript)
-        if failure is not None and endpoint.truncation in (None, TruncationCause.PARSE_FAILURE):
-            raise failure
+        if failure is not None and endpoint.truncation is None:
+            raise failure  # not a refused call after the episode ended: the agent failed
         episode.messages = list(endpoint.transcript)
         episode.num_turns = endpoint.requests
         episode.truncation = endpoint.truncation

@@ -23,6 +23,8 @@ before: one token sequence, trained as one sample. A fresh render starts a new s
 does a completion extending one that another completion already extended (a branch, e.g.
 ``n`` > 1 or a retried call), whose context is then all forced. So every sampled token is
 trained exactly once, in the sequence it was sampled in, with the episode's advantage.
+The episode's segments number 1 + its history breaks (fresh renders after the first call) +
+its branches.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class EpisodeEndpoint(Endpoint):
     truncation: TruncationCause | None = None
     requests: int = 0
     history_breaks: int = 0
-    """Calls that held earlier assistant turns yet did not continue a served one."""
+    """Calls after the first that did not continue a served turn (rendered afresh)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _closed: bool = False
 
@@ -85,7 +87,7 @@ class EpisodeEndpoint(Endpoint):
                 )
             self.requests += 1
         plan = super().plan(request)
-        if plan.parent is None and plan.continues_history:
+        if plan.parent is None and self.requests > 1:
             self.history_breaks += 1
         return plan
 

@@ -51,9 +51,6 @@ class PromptPlan:
     tokens: list[int]
     parent: ServedTurn | None
     """The served turn the prompt extends; ``None``: rendered afresh."""
-    continues_history: bool
-    """Whether the request held an assistant message (it continues some history), so that a
-    fresh render means the client's history broke from what was served."""
 
 
 class ConversationStore:
@@ -70,15 +67,14 @@ class ConversationStore:
         """The prompt tokens for ``messages``: extended from a served turn when they continue
         one, else rendered afresh."""
         last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-        if last is None:
-            return PromptPlan(codec.render_prompt(messages, tools or None), None, False)
-        parent = self._turns.get(conversation_key(tools, messages[: last + 1]))
-        if parent is None:
-            return PromptPlan(codec.render_prompt(messages, tools or None), None, True)
-        self._turns.move_to_end(conversation_key(tools, messages[: last + 1]))
+        key = None if last is None else conversation_key(tools, messages[: last + 1])
+        parent = None if key is None else self._turns.get(key)
+        if key is None or parent is None:
+            return PromptPlan(codec.render_prompt(messages, tools or None), None)
+        self._turns.move_to_end(key)
         added = messages[last + 1 :]
         extension = codec.render_extension(added, sampled_tokens=parent.sampled)
-        return PromptPlan(parent.tokens + extension, parent, True)
+        return PromptPlan(parent.tokens + extension, parent)
 
     def remember(
         self,
