@@ -66,10 +66,10 @@ class ConversationStore:
     def plan(self, codec: Codec, messages: list[Message], tools: list[ToolSpec]) -> PromptPlan:
         """The prompt tokens for ``messages``: extended from a served turn when they continue
         one, else rendered afresh."""
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-        key = None if last is None else conversation_key(tools, messages[: last + 1])
-        parent = None if key is None else self._turns.get(key)
-        if key is None or parent is None:
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        key = conversation_key(tools, messages[: last + 1])
+        parent = self._turns.get(key) if last >= 0 else None
+        if parent is None:
             return PromptPlan(codec.render_prompt(messages, tools or None), None)
         self._turns.move_to_end(key)
         added = messages[last + 1 :]
