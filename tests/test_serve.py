@@ -290,3 +290,40 @@ def test_the_serve_command_refuses_an_exposed_address_without_a_token(capsys, mo
     assert "bearer token" in capsys.readouterr().err
     assert main(["serve", BUNDLED_MODEL_ID, "--token-env", "NO_SUCH_TOKEN"]) == 2
     assert "NO_SUCH_TOKEN" in capsys.readouterr().err
+
+
+def test_the_serve_command_serves_until_interrupted(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as probe:  # a free port (the race with another binder is harmless)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "post_training_cookbook", "serve", BUNDLED_MODEL_ID,
+               "--port", str(port), "--max-model-length", "512"]  # fmt: skip
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    server = subprocess.Popen(
+        command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        client = client_for(f"http://127.0.0.1:{port}/v1")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                answer = client.chat.completions.create(model="x", messages=opening(), max_tokens=4)
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None, server.stdout.read()
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(0.5)
+        assert answer.model == "tool-use-tiny" and answer.choices
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0
+        assert f"serving tool-use-tiny at http://127.0.0.1:{port}/v1" in server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()

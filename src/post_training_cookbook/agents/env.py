@@ -147,15 +147,15 @@ class AgentEnv(Env):
             server.close_episode(route.episode_id)
             endpoint.close()
         self._messages = list(endpoint.transcript)
-        if failure is not None and endpoint.truncation is None:
-            raise failure  # not a refused call after the episode ended: the agent failed
         episode.messages = list(endpoint.transcript)
         episode.num_turns = endpoint.requests
-        episode.truncation = endpoint.truncation
         episode.length_capped_turns = sum(
             t.sequence.stop_reason == "length" for t in endpoint.turns
         )
-        number_of_segments = record_segments(episode, endpoint.turns)
+        number_of_segments = record_segments(episode, endpoint.turns)  # kept on every path
+        if failure is not None and endpoint.truncation is None:
+            raise failure  # not a refused call after the episode ended: the agent failed
+        episode.truncation = endpoint.truncation
         if episode.truncation is TruncationCause.PARSE_FAILURE:
             episode.reward = limits.failed_parse_reward
         else:

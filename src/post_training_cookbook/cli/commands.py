@@ -102,6 +102,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         serving = serve_forever(served, host=args.host, port=args.port, token=token, limits=limits)
         asyncio.run(serving)
+    except KeyboardInterrupt:  # Ctrl-C is how a server stops: uvicorn re-raises it once done
+        print("stopped", flush=True)
     finally:
         engine.shutdown()
     return 0
