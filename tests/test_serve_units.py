@@ -121,6 +121,16 @@ def test_a_changed_history_renders_afresh_and_counts_as_broken(change):
 
 
 def test_the_store_forgets_the_least_recently_used_turns():
+    by_tokens = ConversationStore(max_tokens=5)
+    for index in range(3):
+        turn = ServedTurn([index, index, index], [])
+        by_tokens.remember(
+            [],
+            [{"role": "user", "content": str(index)}],
+            {"role": "assistant", "content": "a"},
+            turn,
+        )
+    assert len(by_tokens) == 1
     store = ConversationStore(max_turns=2)
     for index in range(3):
         store.remember(

@@ -54,11 +54,15 @@ class PromptPlan:
 
 
 class ConversationStore:
-    """The served turns a later request may extend, least recently used dropped first."""
+    """The served turns a later request may extend, least recently used dropped first once
+    there are more than ``max_turns`` or they hold more than ``max_tokens`` tokens (about
+    8 bytes each)."""
 
-    def __init__(self, max_turns: int = 4096) -> None:
+    def __init__(self, max_turns: int = 4096, max_tokens: int = 8_000_000) -> None:
         self._turns: OrderedDict[str, ServedTurn] = OrderedDict()
         self._max_turns = max_turns
+        self._max_tokens = max_tokens
+        self._tokens = 0
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -84,9 +88,16 @@ class ConversationStore:
         turn: ServedTurn,
     ) -> None:
         """Keep ``turn`` for the conversation ``messages`` + ``reply``."""
-        self._turns[conversation_key(tools, [*messages, reply])] = turn
-        while len(self._turns) > self._max_turns:
-            self._turns.popitem(last=False)
+        key = conversation_key(tools, [*messages, reply])
+        if key in self._turns:
+            self._tokens -= len(self._turns.pop(key).tokens)
+        self._turns[key] = turn
+        self._tokens += len(turn.tokens)
+        while len(self._turns) > 1 and (
+            len(self._turns) > self._max_turns or self._tokens > self._max_tokens
+        ):
+            _, dropped = self._turns.popitem(last=False)
+            self._tokens -= len(dropped.tokens)
 
 
 def conversation_key(tools: list[ToolSpec], messages: list[Message]) -> str:
