@@ -327,3 +327,17 @@ def test_the_serve_command_serves_until_interrupted(tmp_path):
     finally:
         if server.poll() is None:
             server.kill()
+
+
+def test_a_runs_checkpoint_and_final_model_are_served():
+    from test_eval_common import trained_run
+
+    from post_training_cookbook.serve import start_server
+
+    run = trained_run()  # shared with the evaluation tests: trained once per session
+    for options, name in (({"step": 1}, f"{run.name}-step1"), ({}, run.name)):
+        with start_server(run, max_model_length=256, **options) as server:
+            answer = client_for(server.base_url).chat.completions.create(
+                model="x", messages=[{"role": "user", "content": "Say something."}], max_tokens=4
+            )
+        assert answer.model == name and answer.usage.completion_tokens >= 1
