@@ -2,7 +2,7 @@
 model: each episode runs the agent against the policy server, and the run trains on exactly
 the tokens the server sampled for it. docs/agents.md explains each piece.
 
-    python recipes/agents/train_fact_agent.py      # ~10 min on 2 cores
+    python recipes/agents/train_fact_agent.py      # ~12 min on 2 cores
 """
 
 from __future__ import annotations
