@@ -143,6 +143,8 @@ TOOLS = FACT_AGENT.TOOLS
 def rewriting_agent(base_url, api_key, task):
     """Two calls on one history, then a third on a history it summarised: the server cannot
     extend that one, so the episode splits there."""
+    with COUNTER_LOCK:
+        reward = float(next(COUNTER) % 2)  # half the episodes of each group: rewards vary
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     history = [
         {"role": "system", "content": SYSTEM_PROMPT},
@@ -166,8 +168,7 @@ def rewriting_agent(base_url, api_key, task):
         {"role": "user", "content": f"{task.prompt} Notes so far: {'; '.join(notes)}."},
     ]
     client.chat.completions.create(model="policy", messages=summary, tools=TOOLS, max_tokens=24)
-    with COUNTER_LOCK:
-        return float(next(COUNTER) % 2)  # rewards that vary within every group
+    return reward
 
 
 def test_a_history_rewriting_agent_trains_on_split_segments(tmp_path, monkeypatch):

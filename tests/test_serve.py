@@ -139,7 +139,7 @@ def test_a_rewritten_history_is_rendered_afresh(server, served):
 
 
 def test_n_logprobs_max_tokens_and_stop(server, served):
-    _, recorder = served
+    model, recorder = served
     client = client_for(server.base_url)
     answer = client.chat.completions.create(
         model="x", messages=opening(3), n=2, logprobs=True, max_tokens=3, top_p=0.9, seed=5
@@ -157,6 +157,8 @@ def test_n_logprobs_max_tokens_and_stop(server, served):
     stopped = client.chat.completions.create(
         model="x", messages=opening(4), tools=TOOLS, temperature=0, stop=['"arguments"']
     )
+    sampled = recorder.calls[-1].sequences[0].tokens
+    assert '"arguments"' in model.codec.tokenizer.decode(sampled)  # the stop string was hit
     assert stopped.choices[0].finish_reason == "stop"
     assert '"arguments"' not in (stopped.choices[0].message.content or "")
     assert stopped.choices[0].message.tool_calls is None
