@@ -65,15 +65,14 @@ class EpisodesInFlight:
             await asyncio.wait(others, timeout=timeout_s)
 
 
-@dataclass(frozen=True)
-class EpisodeRunner:
-    """Everything needed to play an episode, fixed once per run."""
+class BuildsEnvs:
+    """A fresh env per episode, and the guard that one instance never serves two episodes in
+    flight; shared by the runners of token episodes and of hosted models' chat episodes."""
 
     env_factory: Callable[[Task], Env]
-    sampler: Sampler
-    codec: Codec
     limits: EpisodeLimits
-    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
+    in_flight: EpisodesInFlight
+    """The episodes in flight and their envs (one instance must not serve two episodes)."""
 
     def build_env(self, task: Task) -> Env:
         """A fresh env for ``task``; ``EnvFault`` when the factory fails, ``ValueError`` when
@@ -99,6 +98,17 @@ class EpisodeRunner:
 
     def release_env(self, env: Env) -> None:
         self.in_flight.env_ids.discard(id(env))
+
+
+@dataclass(frozen=True)
+class EpisodeRunner(BuildsEnvs):
+    """Everything needed to play an episode, fixed once per run."""
+
+    env_factory: Callable[[Task], Env]
+    sampler: Sampler
+    codec: Codec
+    limits: EpisodeLimits
+    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
 
 
 async def play_group(
@@ -144,24 +154,42 @@ async def run_episode(
 
     ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed).
     Whatever goes wrong with the env (``EnvFault``) gets the env error policy: under
-    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run."""
+    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run.
+    An env with a ``drive_episode`` method (the external-agent adapter, ``agents/``) plays
+    the episode itself, with the runner's sampler, codec and limits."""
+
+    async def play(episode: Episode, env: Env) -> None:
+        drive = getattr(env, "drive_episode", None)
+        if callable(drive):
+            await drive(episode, runner, params, seed)
+        else:
+            await _play(episode, env, runner, params, seed)
+
+    return await with_fresh_env(task, runner, play)
+
+
+async def with_fresh_env(
+    task: Task, envs: BuildsEnvs, play: Callable[[Episode, Env], Awaitable[None]]
+) -> Episode:
+    """The frame every episode driver shares: a fresh env, the env error policy applied to
+    whatever ``play`` raises as ``EnvFault``, and ``close()`` on every path."""
     episode = Episode(task, [], [], [], [])
     env: Env | None = None
     this_task = asyncio.current_task()
     if this_task is not None:
-        runner.in_flight.tasks.add(this_task)
+        envs.in_flight.tasks.add(this_task)
     try:
-        env = runner.build_env(task)
-        await _play(episode, env, runner, params, seed)
+        env = envs.build_env(task)
+        await play(episode, env)
     except EnvFault as fault:
-        _env_failed(episode, env, fault, runner.limits)
+        _env_failed(episode, env, fault, envs.limits)
     finally:
         try:
             if env is not None:
-                runner.release_env(env)
-                await _close(episode, env, runner.limits)
+                envs.release_env(env)
+                await _close(episode, env, envs.limits)
         finally:
-            runner.in_flight.tasks.discard(this_task)
+            envs.in_flight.tasks.discard(this_task)
     return episode
 
 
@@ -211,7 +239,7 @@ async def _play(
         returned = checked_messages(result.messages, "StepResult.messages")
         conversation.append(message)
         added = new_messages(conversation, returned)
-        _check_env_history(env_property(env, "messages"), returned)
+        check_env_history(env_property(env, "messages"), returned)
         episode.messages = list(returned)
         episode.reward = float(result.reward)
         episode.metrics = {key: float(value) for key, value in result.metrics.items()}
@@ -236,7 +264,7 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _check_env_history(history: Any, returned: list[Message]) -> None:
+def check_env_history(history: Any, returned: list[Message]) -> None:
     """``env.messages`` must tell the same conversation as the ``StepResult`` (the dump and
     the training tokens come from the latter)."""
     history = checked_messages(history, "env.messages")
