@@ -141,3 +141,24 @@ def test_episode_limits_refuse_an_unknown_policy_and_a_retry_count_below_one():
         EpisodeLimits(1, 10, 5, env_errors="retyr")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="env_retry_attempts must be >= 1"):
         EpisodeLimits(1, 10, 5, env_errors="retry", env_retry_attempts=0)
+
+
+def test_a_chat_episode_of_a_hosted_model_is_retried_the_same_way():
+    from post_training_cookbook.rollout.chat import ChatRunner, ChatTurn, run_chat_episode
+
+    class Answers:
+        """A chat sampler that always answers the task's target."""
+
+        def __init__(self) -> None:
+            self.seeds: list[int | None] = []
+
+        async def chat(self, messages, tools, params):
+            self.seeds.append(params.seed)
+            return ChatTurn(Message(role="assistant", content=TASK.target), "stop")
+
+    envs, sampler = Envs(failing={0}), Answers()
+    runner = ChatRunner(envs, sampler, limits(env_errors="retry"))
+    episode = asyncio.run(run_chat_episode(TASK, runner, PARAMS, seed=5))
+    assert episode.terminated and episode.reward == 1.0 and episode.env_retries == 1
+    assert envs.built == envs.closed == 2
+    assert sampler.seeds[0] != sampler.seeds[1]

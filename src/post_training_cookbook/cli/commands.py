@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -19,11 +20,12 @@ from post_training_cookbook.cli.loading import (
 )
 
 if TYPE_CHECKING:
-    from post_training_cookbook.evaluation import EvalResult, EvalSettings
+    from post_training_cookbook.evaluation import EvalResult, EvalSettings, HostedModel
     from post_training_cookbook.grpo.config import GRPOConfig
     from post_training_cookbook.models.catalog import ModelInfo
 
 PROG = "post-training-cookbook"
+HOSTED_PREFIX = "hosted:"
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -53,7 +55,8 @@ def run_eval(args: argparse.Namespace) -> int:
     transformers_logging.disable_progress_bar()  # weight loading bars, one per model
 
     config, env = load_train_config(args.config, []) if args.config else (None, {})
-    models = list(args.compare) if args.compare else [args.model or _config_model(config)]
+    named = list(args.compare) if args.compare else [args.model or _config_model(config)]
+    models = [_hosted_or_local(model, args) for model in named]
     if args.step is not None and args.compare:
         raise CliError("--step applies to one MODEL; with --compare, name checkpoint folders")
     settings = _eval_settings(args, config)
@@ -62,9 +65,11 @@ def run_eval(args: argparse.Namespace) -> int:
     codec = args.codec or (config.codec if config else None)
     results: list[EvalResult] = []
     for model in models:
+        local = isinstance(model, str)
         coroutine = aevaluate(
             model, tasks, factory, settings,
-            codec=codec, step=args.step, dtype=args.dtype, pass_k=args.pass_k, label=args.label,
+            codec=codec if local else None, step=args.step if local else None,
+            dtype=args.dtype if local else None, pass_k=args.pass_k, label=args.label,
             runs_dir=None if args.no_save else args.runs_dir, progress=sys.stderr.isatty(),
             device=args.device,
         )  # fmt: skip
@@ -74,6 +79,36 @@ def run_eval(args: argparse.Namespace) -> int:
         print(json.dumps(summaries if args.compare else summaries[0], indent=1, default=str))
     else:
         print(format_comparison(results))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from post_training_cookbook.serve import ServerLimits, load_served_model, serve_forever
+    from post_training_cookbook.serve.server import check_bind
+
+    transformers_logging.disable_progress_bar()
+    token = _env_value(args.token_env, "--token-env") if args.token_env else None
+    check_bind(args.host, token)  # before the weights load
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
+    served, engine = load_served_model(
+        args.model, step=args.step, codec=args.codec, dtype=args.dtype,
+        max_model_length=args.max_model_length, default_max_tokens=args.max_tokens,
+        name=args.name,
+    )  # fmt: skip
+    shown = args.host if ":" not in args.host else f"[{args.host}]"
+    print(f"serving {served.name} at http://{shown}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        serving = serve_forever(served, host=args.host, port=args.port, token=token, limits=limits)
+        asyncio.run(serving)
+    except KeyboardInterrupt:  # Ctrl-C is how a server stops: uvicorn re-raises it once done
+        print("stopped", flush=True)
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -132,6 +167,31 @@ def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalS
         "success_threshold": args.success_threshold,
     }
     return replace(base, **{key: value for key, value in flags.items() if value is not None})
+
+
+def _hosted_or_local(model: str, args: argparse.Namespace) -> str | HostedModel:
+    """``hosted:NAME`` as a ``HostedModel`` on ``--base-url``; anything else as it is."""
+    from post_training_cookbook.evaluation import HostedModel
+
+    if not model.startswith(HOSTED_PREFIX):
+        return model
+    if not args.base_url:
+        raise CliError(f"{model} needs --base-url (the endpoint, up to /v1)")
+    return HostedModel(
+        model[len(HOSTED_PREFIX) :],
+        args.base_url,
+        api_key_env=None if args.no_api_key else args.api_key_env,
+        max_concurrency=args.max_concurrency,
+        timeout_s=args.request_timeout,
+        max_retries=args.max_retries,
+    )
+
+
+def _env_value(name: str, flag: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        raise CliError(f"{flag} {name}: the environment variable is unset or empty")
+    return value
 
 
 def _config_model(config: GRPOConfig | None) -> str:

@@ -1,10 +1,18 @@
-"""The rollout layer: episodes and groups of them — how they are played (``play``), within
-what limits and as what records (``types``), the numbers that describe them (``metrics``)
-and the JSON line each becomes (``records``).
+"""The rollout layer: episodes and groups of them — how they are played (``play``; ``chat``
+for models that speak messages, such as hosted endpoints), within what limits and as what
+records (``types``), the numbers that describe them (``metrics``) and the JSON line each
+becomes (``records``).
 
 Nothing here imports torch or transformers: the sampler and the codec are handed in.
 """
 
+from post_training_cookbook.rollout.chat import (
+    ChatRunner,
+    ChatSampler,
+    ChatTurn,
+    play_chat_group,
+    run_chat_episode,
+)
 from post_training_cookbook.rollout.checks import (
     UnusableRolloutsError,
     check_episode_inputs,
@@ -29,6 +37,7 @@ from post_training_cookbook.rollout.play import (
 from post_training_cookbook.rollout.records import episode_record
 from post_training_cookbook.rollout.types import (
     ENV_ERROR_POLICIES,
+    EndpointUsage,
     EnvErrorPolicy,
     EnvStepError,
     Episode,
@@ -40,6 +49,10 @@ from post_training_cookbook.rollout.types import (
 
 __all__ = [
     "ENV_ERROR_POLICIES",
+    "ChatRunner",
+    "ChatSampler",
+    "ChatTurn",
+    "EndpointUsage",
     "EnvErrorPolicy",
     "EnvStepError",
     "Episode",
@@ -59,8 +72,10 @@ __all__ = [
     "episode_record",
     "has_reward_variance",
     "per_env_metrics",
+    "play_chat_group",
     "play_group",
     "play_groups",
+    "run_chat_episode",
     "run_episode",
     "with_retries",
 ]

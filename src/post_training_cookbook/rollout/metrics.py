@@ -31,7 +31,10 @@ def episode_metrics(
 ) -> dict[str, float]:
     """Rewards, how episodes ended, turns, tool use and lengths, and the env's final metrics
     (mean per key), under ``prefix``. ``reward_variance_share`` compares ``reward_of`` within
-    each group (GRPO passes its shaped reward, so the share is of the groups it trains on)."""
+    each group (GRPO passes its shaped reward, so the share is of the groups it trains on).
+    A hosted model's episodes hold no tokens of ours: the endpoint's own counts replace the
+    token counts, as ``endpoint_tokens_per_episode`` and
+    ``endpoint_completion_tokens_per_episode``, so that no number pretends to compare."""
     episodes = [episode for group in groups for episode in group.episodes]
     if not episodes:
         return {}
@@ -57,6 +60,13 @@ def episode_metrics(
         "tokens_per_episode": statistics.fmean(len(e.tokens) for e in episodes),
         "sampled_tokens_per_episode": statistics.fmean(e.num_sampled_tokens for e in episodes),
     }
+    hosted = [e.endpoint_usage for e in episodes if e.endpoint_usage is not None]
+    if hosted:  # a hosted model's tokens are not ours: its counts get their own names
+        del metrics["tokens_per_episode"], metrics["sampled_tokens_per_episode"]
+        metrics["endpoint_tokens_per_episode"] = statistics.fmean(u.context_tokens for u in hosted)
+        metrics["endpoint_completion_tokens_per_episode"] = statistics.fmean(
+            u.completion_tokens for u in hosted
+        )
     for cause in TruncationCause:
         key = "env_truncated_ratio" if cause is TruncationCause.ENV else f"{cause.value}_ratio"
         metrics[key] = causes.count(cause) / count

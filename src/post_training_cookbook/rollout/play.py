@@ -66,15 +66,14 @@ class EpisodesInFlight:
             await asyncio.wait(others, timeout=timeout_s)
 
 
-@dataclass(frozen=True)
-class EpisodeRunner:
-    """Everything needed to play an episode, fixed once per run."""
+class BuildsEnvs:
+    """A fresh env per episode, and the guard that one instance never serves two episodes in
+    flight; shared by the runners of token episodes and of hosted models' chat episodes."""
 
     env_factory: Callable[[Task], Env]
-    sampler: Sampler
-    codec: Codec
     limits: EpisodeLimits
-    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
+    in_flight: EpisodesInFlight
+    """The episodes in flight and their envs (one instance must not serve two episodes)."""
 
     def build_env(self, task: Task) -> Env:
         """A fresh env for ``task``; ``EnvFault`` when the factory fails, ``ValueError`` when
@@ -100,6 +99,17 @@ class EpisodeRunner:
 
     def release_env(self, env: Env) -> None:
         self.in_flight.env_ids.discard(id(env))
+
+
+@dataclass(frozen=True)
+class EpisodeRunner(BuildsEnvs):
+    """Everything needed to play an episode, fixed once per run."""
+
+    env_factory: Callable[[Task], Env]
+    sampler: Sampler
+    codec: Codec
+    limits: EpisodeLimits
+    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
 
 
 async def play_group(
@@ -146,16 +156,39 @@ async def run_episode(
     ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed).
     Whatever goes wrong with the env (``EnvFault``) gets the env error policy: under
     ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run;
-    under ``"retry"`` the episode is played again from the start (``with_retries``)."""
+    under ``"retry"`` the episode is played again from the start (``with_retries``).
+    An env with a ``drive_episode`` method (the external-agent adapter, ``agents/``) plays
+    the episode itself, with the runner's sampler, codec and limits."""
+
+    async def play(episode: Episode, env: Env, params: SamplingParams, seed: int | None) -> None:
+        drive = getattr(env, "drive_episode", None)
+        if callable(drive):
+            await drive(episode, runner, params, seed)
+        else:
+            await _play(episode, env, runner, params, seed)
+
+    return await with_fresh_env(task, runner, play, params, seed)
+
+
+PlayOnce = Callable[[Episode, Env, SamplingParams, "int | None"], Awaitable[None]]
+"""One driver's try at an episode on the env it is given, with the params and seed of the
+try: token episodes (``_play``), chat episodes (``rollout/chat.py``), agents."""
+
+
+async def with_fresh_env(
+    task: Task, envs: BuildsEnvs, play: PlayOnce, params: SamplingParams, seed: int | None
+) -> Episode:
+    """The frame every episode driver shares: a fresh env, the env error policy applied to
+    whatever ``play`` raises as ``EnvFault``, and ``close()`` on every path; under
+    ``env_errors="retry"``, a failed episode played again on another fresh env."""
     this_task = asyncio.current_task()
     if this_task is not None:
-        runner.in_flight.tasks.add(this_task)
+        envs.in_flight.tasks.add(this_task)
     try:
-        return await with_retries(
-            runner.limits, params, seed, functools.partial(_attempt, task, runner)
-        )
+        attempt = functools.partial(_attempt, task, envs, play)
+        return await with_retries(envs.limits, params, seed, attempt)
     finally:
-        runner.in_flight.tasks.discard(this_task)
+        envs.in_flight.tasks.discard(this_task)
 
 
 async def with_retries(
@@ -192,20 +225,20 @@ def _attempt_seeds(
 
 
 async def _attempt(
-    task: Task, runner: EpisodeRunner, params: SamplingParams, seed: int | None
+    task: Task, envs: BuildsEnvs, play: PlayOnce, params: SamplingParams, seed: int | None
 ) -> Episode:
     """One try at the episode, on a fresh env; the env error policy applied to its faults."""
     episode = Episode(task, [], [], [], [])
     env: Env | None = None
     try:
-        env = runner.build_env(task)
-        await _play(episode, env, runner, params, seed)
+        env = envs.build_env(task)
+        await play(episode, env, params, seed)
     except EnvFault as fault:
-        _env_failed(episode, env, fault, runner.limits)
+        _env_failed(episode, env, fault, envs.limits)
     finally:
         if env is not None:
-            runner.release_env(env)
-            await _close(episode, env, runner.limits)
+            envs.release_env(env)
+            await _close(episode, env, envs.limits)
     return episode
 
 
@@ -255,7 +288,7 @@ async def _play(
         returned = checked_messages(result.messages, "StepResult.messages")
         conversation.append(message)
         added = new_messages(conversation, returned)
-        _check_env_history(env_property(env, "messages"), returned)
+        check_env_history(env_property(env, "messages"), returned)
         episode.messages = list(returned)
         episode.reward = float(result.reward)
         episode.metrics = {key: float(value) for key, value in result.metrics.items()}
@@ -280,7 +313,7 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _check_env_history(history: Any, returned: list[Message]) -> None:
+def check_env_history(history: Any, returned: list[Message]) -> None:
     """``env.messages`` must tell the same conversation as the ``StepResult`` (the dump and
     the training tokens come from the latter)."""
     history = checked_messages(history, "env.messages")

@@ -3,12 +3,18 @@
 Token-in-token-out: an ``Episode``'s token list only grows. Sampled tokens are kept exactly as
 sampled (mask 1, with their logprobs and policy versions); everything else is forced (mask 0).
 
+An episode is one token sequence, except an external agent's (``agents/``) whose history broke
+between two calls: it holds several segments one after the other (``segment_starts``), each a
+sequence of its own, trained as its own sample. A hosted model's episode (``rollout/chat.py``)
+holds no tokens at all: the endpoint's own counts are in ``endpoint_usage``.
+
 This module imports neither torch nor transformers, so that a config can name its policies.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
@@ -75,6 +81,17 @@ class Sampler(Protocol):
     ) -> list[SampledSequence]: ...
 
 
+@dataclass(frozen=True)
+class EndpointUsage:
+    """Token counts a hosted endpoint reported for an episode, in its own tokenizer's tokens:
+    they do not compare with ours."""
+
+    context_tokens: int
+    """The last turn's prompt plus completion: how long the conversation grew."""
+    completion_tokens: int
+    """Every turn's completion, summed."""
+
+
 @dataclass
 class Episode:
     task: Task
@@ -98,6 +115,11 @@ class Episode:
     itself stands."""
     retried_env_errors: list[str] = field(default_factory=list)
     """Under ``env_errors="retry"``: the env error of each earlier attempt, played again."""
+    segment_starts: list[int] = field(default_factory=lambda: [0])
+    """Where each token sequence of the episode starts in ``tokens``: ``[0]`` (one sequence)
+    unless an external agent rewrote its history between calls (``agents/``)."""
+    endpoint_usage: EndpointUsage | None = None
+    """A hosted model's own token counts; its episode holds no tokens of ours."""
 
     @property
     def env_retries(self) -> int:
@@ -115,6 +137,16 @@ class Episode:
     @property
     def num_sampled_tokens(self) -> int:
         return int(sum(self.mask))
+
+    def segments(self) -> list[slice]:
+        """The slices of ``tokens`` (and of the per-token lists) that are one sequence each."""
+        bounds = [*self.segment_starts, len(self.tokens)]
+        return [slice(start, end) for start, end in itertools.pairwise(bounds) if end > start]
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence the episode put in the model's context."""
+        return max((piece.stop - piece.start for piece in self.segments()), default=0)
 
     def add_forced(self, tokens: list[int]) -> None:
         self.tokens += tokens
