@@ -48,15 +48,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from post_training_cookbook.endpoints import is_retried
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.types import Message
 
 if TYPE_CHECKING:
     from post_training_cookbook.codecs import Codec
     from post_training_cookbook.engine.local import LocalEngine
-
-RETRIED_STATUSES = (408, 409, 429)
-"""HTTP statuses a judge request is retried on, besides 5xx (a quota 429 excepted)."""
 
 JUDGE_INSTRUCTIONS = (
     "You grade an answer to a question against a rubric. Think about how well the answer "
@@ -307,11 +305,11 @@ class OpenAIJudge:
                 temperature=temperature,
             )
         except openai.APIStatusError as exc:
-            code = exc.status_code
-            quota = code == 429 and "insufficient_quota" in str(exc.body)
-            said = exc.body.get("message") if isinstance(exc.body, dict) else None
-            if quota or (code < 500 and code not in RETRIED_STATUSES):
-                raise JudgeRefused(f"{self.base_url} answered HTTP {code}: {said or exc}") from exc
+            if not is_retried(exc):
+                said = exc.body.get("message") if isinstance(exc.body, dict) else None
+                raise JudgeRefused(
+                    f"{self.base_url} answered HTTP {exc.status_code}: {said or exc}"
+                ) from exc
             raise
         choices = response.choices or []
         return (choices[0].message.content or "") if choices else ""

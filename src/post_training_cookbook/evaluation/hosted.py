@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.codecs.tool_calls import arguments_object
+from post_training_cookbook.endpoints import RETRIED_STATUSES, is_retried
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.rollout.chat import ChatRunner, ChatTurn, FinishReason, play_chat_group
@@ -38,7 +39,6 @@ from post_training_cookbook.types import Message, ToolCall, ToolSpec
 if TYPE_CHECKING:
     from post_training_cookbook.evaluation.results import EvalSettings
 
-RETRIED_STATUSES = (408, 409, 429)
 CONTEXT_CODES = ("context_length_exceeded", "string_above_max_length")
 
 
@@ -142,7 +142,7 @@ class OpenAIChatSampler:
             except openai.APIStatusError as error:
                 if _is_context_error(error):
                     return ChatTurn(None, "context_overflow")
-                if not _retried(error) or attempt == hosted.max_retries:
+                if not is_retried(error) or attempt == hosted.max_retries:
                     raise HostedEndpointError(_explain(error, hosted)) from error
                 wait = _retry_after(error)
             except (openai.APITimeoutError, openai.APIConnectionError) as error:
@@ -230,12 +230,6 @@ def _is_context_error(error: Any) -> bool:
     return error.status_code == 400 and (
         error.code in CONTEXT_CODES or "context length" in str(error.message).lower()
     )
-
-
-def _retried(error: Any) -> bool:
-    if error.status_code == 429 and error.code == "insufficient_quota":
-        return False
-    return error.status_code in RETRIED_STATUSES or error.status_code >= 500
 
 
 def _retry_after(error: Any) -> float | None:
