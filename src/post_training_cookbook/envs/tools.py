@@ -36,9 +36,6 @@ import json
 from collections.abc import Callable
 from typing import Any, overload
 
-from jsonschema.exceptions import best_match
-from jsonschema.validators import validator_for
-
 from post_training_cookbook.envs.base import ToolResult
 from post_training_cookbook.types import ToolSpec
 
@@ -73,6 +70,9 @@ class FunctionTool:
         self.name: str = function["name"]
         self.description: str = function["description"]
         self.parameters_schema: dict[str, Any] = function["parameters"]
+        # imported here: the envs package stays importable where only training runs
+        from jsonschema.validators import validator_for
+
         self._validator = validator_for(self.parameters_schema)(self.parameters_schema)
         parameters = list(inspect.signature(fn).parameters.values())
         self.is_method = bool(parameters) and parameters[0].name in ("self", "cls")
@@ -113,6 +113,8 @@ class FunctionTool:
         if unknown and not self._takes_any_keyword:
             expected = ", ".join(known) or "none"
             raise ValueError(f"{self.name}: unknown argument(s) {unknown}; expected: {expected}")
+        from jsonschema.exceptions import best_match
+
         error = best_match(self._validator.iter_errors(values))
         if error is not None:
             where = "/".join(map(str, error.absolute_path))
