@@ -130,6 +130,55 @@ def test_train_runs_the_tool_use_game_from_a_yaml_with_an_env_section(capsys, tm
     assert (run / "rollouts" / "train_step_000000.jsonl").is_file()
 
 
+def test_train_runs_a_mixture_of_envs_from_a_yaml_and_logs_each_envs_metrics(capsys, tmp_path):
+    env = {
+        "mixture": [
+            {**VARIETY_ENV, "name": "variety", "weight": 3},
+            {
+                "name": "calculator",
+                "factory": "post_training_cookbook.envs.calculator:MathEnv",
+                "tasks": "post_training_cookbook.envs.calculator:CALCULATOR_TRAIN_TASKS",
+            },
+        ]
+    }
+    config = write_config(tmp_path / "mixture.yaml", tmp_path, "mixture", env, batch_size=4)
+    status, out, err = run_cli(capsys, "train", config)
+    assert status == 0, err
+    run = tmp_path / "mixture"
+    assert f"run: {run}" in out
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    envs = {
+        record["task"]["metadata"]["env"]
+        for step in (0, 1)
+        for record in map(json.loads, (run / "rollouts" / f"train_step_{step:06d}.jsonl").open())
+    }
+    assert envs == {"variety", "calculator"}
+    for name in envs:
+        assert any(f"rollout/{name}/reward_mean" in line for line in lines)
+    assert all("val/variety/reward_mean" in line for line in lines)  # only variety validates
+    assert not any("val/calculator/reward_mean" in line for line in lines)
+
+
+def test_eval_with_a_mixture_config_plays_its_validation_tasks_each_on_its_own_env(tmp_path):
+    from post_training_cookbook.cli.loading import eval_env, load_train_config
+    from post_training_cookbook.envs.calculator import MathEnv
+
+    calculator = "post_training_cookbook.envs.calculator"
+    calc = {
+        "name": "calc",
+        "factory": f"{calculator}:MathEnv",
+        "tasks": f"{calculator}:CALCULATOR_TRAIN_TASKS",
+        "val_tasks": f"{calculator}:CALCULATOR_VAL_TASKS",
+    }
+    env = {"mixture": [{**VARIETY_ENV, "name": "variety"}, calc]}
+    _, section = load_train_config(write_config(tmp_path / "m.yaml", tmp_path, "m", env))
+    factory, tasks = eval_env(None, None, section)
+    assert len(tasks) == len(VARIETY_TASKS) + 50
+    assert isinstance(factory(tasks[0]), VarietyEnv) and isinstance(factory(tasks[-1]), MathEnv)
+    with pytest.raises(CliError, match="needs --env as well"):
+        eval_env(None, "x:y", section)
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -137,6 +186,9 @@ def test_train_runs_the_tool_use_game_from_a_yaml_with_an_env_section(capsys, tm
         ({"env": {"tasks": "x:y"}}, "needs an 'env:' section with a 'factory'"),
         ({"env": {**VARIETY_ENV, "extra": "x:y"}}, "unknown env key(s) ['extra']"),
         ({"env": {"factory": VARIETY_ENV["factory"]}}, "env.tasks is missing"),
+        ({"env": {"mixture": [{"name": "a"}]}}, "env.mixture entry 1 needs factory, tasks"),
+        ({"env": {"mixture": [VARIETY_ENV], "tasks": "x:y"}}, "env.mixture comes alone"),
+        ({"env": {"mixture": [{**VARIETY_ENV, "name": "a", "weight": -1}]}}, "weight must be > 0"),
     ],
 )
 def test_train_rejects_a_bad_yaml_before_training(capsys, tmp_path, change, reason):
@@ -353,9 +405,9 @@ def test_the_yaml_of_docs_cli_md_loads_as_a_config_and_an_env_section(tmp_path):
     from post_training_cookbook.cli.loading import load_train_config
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
-    (block,) = text.split("```yaml\n")[1:]
+    block, mixture_section = (part.split("```")[0] for part in text.split("```yaml\n")[1:])
     path = tmp_path / "calculator.yaml"
-    path.write_text(block.split("```")[0])
+    path.write_text(block)
     config, env = load_train_config(path, ["num_steps=2"])
     assert config.learning_rate == 1e-4 and config.wandb_project is None
     assert config.num_steps == 2
@@ -364,3 +416,11 @@ def test_the_yaml_of_docs_cli_md_loads_as_a_config_and_an_env_section(tmp_path):
         "tasks": "calculator_env:TRAIN_TASKS",
         "val_tasks": "calculator_env:VAL_TASKS",
     }
+    # the mixture's env section, in place of the single env's
+    path.write_text(block.split("env:\n")[0] + mixture_section)
+    _, env = load_train_config(path)
+    assert [(entry["name"], entry["weight"]) for entry in env["mixture"]] == [
+        ("calculator", 1.0),
+        ("game", 3.0),
+    ]
+    assert env["mixture"][1]["factory"].endswith("tool_use_game:ToolUseGameEnv")

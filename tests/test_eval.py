@@ -159,9 +159,13 @@ def test_comparison_warns_when_settings_differ(tmp_path):
 
 
 def test_eval_settings_from_a_config_are_its_validation_settings():
-    config = GRPOConfig(max_turns=3, val_temperature=0.25, val_episodes_per_task=5)
+    config = GRPOConfig(
+        max_turns=3, val_temperature=0.25, val_episodes_per_task=5, env_errors="retry",
+        env_retry_attempts=4,
+    )  # fmt: skip
     settings = EvalSettings.from_config(config)
     assert (settings.max_turns, settings.temperature, settings.episodes_per_task) == (3, 0.25, 5)
+    assert (settings.env_errors, settings.env_retry_attempts) == ("retry", 4)
 
 
 # --- failures before any weights load -----------------------------------------------------------

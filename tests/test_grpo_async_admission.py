@@ -5,12 +5,12 @@ import asyncio
 from collections import Counter
 
 from post_training_cookbook.envs import Task
-from post_training_cookbook.grpo.async_loop import (
+from post_training_cookbook.grpo.async_loop import admit_groups
+from post_training_cookbook.grpo.async_workers import (
     PositionLedger,
     RolloutWorkers,
     StampedGroup,
     StartGate,
-    admit_groups,
 )
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import RunSettings

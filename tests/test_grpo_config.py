@@ -275,6 +275,7 @@ def non_default_config() -> GRPOConfig:
         codec="qwen3",
         enable_thinking=False,
         preserve_thinking=True,
+        control_tokens_in_content=True,
         reasoning_effort="low",
         control_tokens_in_content=True,
         lora_rank=8,
@@ -327,7 +328,8 @@ def non_default_config() -> GRPOConfig:
         val_episodes_per_task=2,
         val_temperature=0.0,
         env_step_timeout_s=None,
-        env_errors="truncate",
+        env_errors="retry",
+        env_retry_attempts=3,
     )
 
 

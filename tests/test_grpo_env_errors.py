@@ -201,3 +201,25 @@ def test_a_validation_of_only_env_errors_stops_the_run(tiny_llama_dir, tmp_path,
 
     with pytest.raises(UnusableRolloutsError, match="the validation before step 0"):
         train_multi_turn(config, mode_tasks(["answer"]), factory, val_tasks=val_tasks)
+
+
+def test_under_env_errors_retry_a_flaky_env_neither_stops_the_run_nor_biases_its_group(
+    tiny_llama_dir, tmp_path, scripted
+):
+    closes = Closes()
+    config = quick_config(
+        tiny_llama_dir, tmp_path, batch_size=2, episodes_per_task=3, env_errors="retry"
+    )
+    tasks = mode_tasks(["answer"], ["answer"])
+    run = train_multi_turn(config, tasks, first_env_of_each_task(closes, RaisingEnv))
+    records = train_dump(run.path, 0)
+    assert len(records) == 6
+    assert all(record["env_error"] is None and record["reward"] == 1.0 for record in records)
+    retried = [record for record in records if record["retried_env_errors"]]
+    assert [r["retried_env_errors"] for r in retried] == [
+        ["RaisingEnv: env.step raised KeyError('boom')"]
+    ] * 2
+    metrics = step_metrics(run.path)[0]
+    assert metrics["rollout/env_retries"] == 2.0
+    assert metrics["rollout/env_error_ratio"] == 0.0
+    assert closes.built == closes.closed == 8  # 6 episodes + 2 replays

@@ -131,3 +131,33 @@ def test_both_entry_points_train_when_called_inside_a_running_event_loop(
     multi, single = asyncio.run(notebook_cell())
     assert sorted(step_metrics(multi)) == [0]
     assert sorted(step_metrics(single)) == [0]
+
+
+@pytest.mark.parametrize(
+    ("model", "fields"),
+    [
+        ("Qwen/Qwen3.8-27B", {"batch_size": 4, "episodes_per_task": 8, "num_steps": 200,
+                              "validation_interval": 10, "max_turns": 6, "max_model_length": 2048,
+                              "learning_rate": 2e-5, "wandb_project": "grpo-tool-use-game",
+                              "sequential_validation": True, "max_sampling_attempts": 2}),
+        ("Qwen/Qwen3.6-35B-A3B", {"max_turns": 6, "batch_size": 4, "episodes_per_task": 8,
+                                  "max_steps_off_policy": 1, "groups_in_flight": 8,
+                                  "num_generator_replicas": 2}),
+    ],
+)  # fmt: skip
+def test_the_seed_examples_with_their_own_model_ids_fail_here_only_for_want_of_weights(
+    in_a_fresh_folder: Path, monkeypatch: pytest.MonkeyPatch, model: str, fields: dict
+) -> None:
+    """Exactly the page's configs: on a machine without the weights, the one error names the
+    model and how to provide it, before any env starts or anything loads."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(in_a_fresh_folder / "hub"))
+    built = Closes()
+    config = GRPOConfig(model=model, **fields)
+    with pytest.raises(ValueError) as error:
+        train_multi_turn(config, tasks=list(TOOL_USE_GAME_TASKS), env_factory=mode_envs(built))
+    message = str(error.value)
+    assert f"'{model}'" in message and f"hf download {model}" in message
+    assert built.built == 0 and not (in_a_fresh_folder / "runs").exists()

@@ -76,8 +76,8 @@ def test_the_overlong_penalty_ramps_over_the_buffer_before_max_model_length() ->
 def test_episode_limits_and_sampling_params_carry_the_config() -> None:
     settings = settings_of(
         max_turns=3, max_model_length=1024, max_tokens_per_turn=128, failed_parse_reward=-1.0,
-        env_step_timeout_s=None, env_errors="truncate", temperature=0.8, val_temperature=0.0,
-        top_p=0.9,
+        env_step_timeout_s=None, env_errors="retry", env_retry_attempts=4, temperature=0.8,
+        val_temperature=0.0, top_p=0.9,
     )  # fmt: skip
     limits = settings.episodes
     assert (limits.max_turns, limits.max_model_length, limits.max_tokens_per_turn) == (
@@ -88,8 +88,9 @@ def test_episode_limits_and_sampling_params_carry_the_config() -> None:
     assert (limits.failed_parse_reward, limits.env_step_timeout_s, limits.env_errors) == (
         -1.0,
         None,
-        "truncate",
+        "retry",
     )
+    assert limits.env_retry_attempts == limits.retries == 4
     train, val = settings.train_sampling, settings.val_sampling
     assert (train.max_tokens, train.temperature, train.top_p) == (128, 0.8, 0.9)
     assert (val.max_tokens, val.temperature, val.top_p) == (128, 0.0, 0.9)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import post_training_cookbook.grpo.train as grpo_train
+from post_training_cookbook.envs import EnvMixture
 from post_training_cookbook.models import BUNDLED_MODEL_DIR
 
 RECIPES = sorted((Path(__file__).parent.parent / "recipes" / "grpo").glob("*.py"))
@@ -27,12 +28,16 @@ def test_the_recipe_runs_two_steps_as_written(recipe, tmp_path, monkeypatch):
     real = grpo_train.train_multi_turn
     runs = []
 
-    def two_steps(config, tasks, env_factory, val_tasks=None):
+    def two_steps(config, tasks, env_factory=None, val_tasks=None):
         short = replace(
             config, num_steps=2, validation_interval=1, runs_dir=str(tmp_path),
             wandb_project=None, checkpoint_interval=0,
         )  # fmt: skip
-        runs.append(real(short, tasks, env_factory, list(val_tasks or [])[:8]))
+        if isinstance(tasks, EnvMixture):  # a smaller validation set for each env
+            entries = [replace(entry, val_tasks=entry.val_tasks[:4]) for entry in tasks.entries]
+            runs.append(real(short, EnvMixture(entries)))
+        else:
+            runs.append(real(short, tasks, env_factory, list(val_tasks or [])[:8]))
         return runs[-1]
 
     monkeypatch.setattr(grpo_train, "train_multi_turn", two_steps)

@@ -1,4 +1,5 @@
 """One PNG of a run's ``metrics.jsonl``: reward, validation reward, how episodes end, timings.
+A mixture run's envs get a dashed reward line each, in both reward panels.
 
     post-training-cookbook plot runs/my-run          # writes runs/my-run/plots.png
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,6 +98,17 @@ def _series(records: Sequence[Metrics], key: str) -> tuple[list[float], list[flo
     return [step for step, _ in points], [value for _, value in points]
 
 
+def env_names(records: Sequence[Metrics], prefix: str = "rollout/") -> list[str]:
+    """The envs of a mixture run, from its per-env keys (``rollout/<env>/reward_mean``)."""
+    found = {
+        match.group(1)
+        for record in records
+        for key in record
+        if (match := re.fullmatch(re.escape(prefix) + r"([^/]+)/reward_mean", key))
+    }
+    return sorted(found - {"env"})  # rollout/env/… are the envs' own metrics
+
+
 def _reward_panel(axes: Axes, records: Sequence[Metrics]) -> None:
     steps, means = _series(records, "rollout/reward_mean")
     if not steps:
@@ -107,7 +120,7 @@ def _reward_panel(axes: Axes, records: Sequence[Metrics]) -> None:
         low = [m - s for m, s in zip(means, stds, strict=True)]
         high = [m + s for m, s in zip(means, stds, strict=True)]
         axes.fill_between(steps, low, high, alpha=0.2, label="± std")
-    _reward_limits(axes, means)
+    _reward_limits(axes, means + _per_env_lines(axes, records, "rollout/"))
     axes.set_ylabel("reward")
     axes.legend(loc="best", fontsize="small")
 
@@ -118,9 +131,19 @@ def _validation_panel(axes: Axes, records: Sequence[Metrics]) -> None:
         _empty(axes, "no validation in this run")
         return
     axes.plot(steps, means, marker="o", color="tab:green", label="val/reward_mean")
-    _reward_limits(axes, means)
+    _reward_limits(axes, means + _per_env_lines(axes, records, "val/"))
     axes.set_ylabel("reward")
     axes.legend(loc="best", fontsize="small")
+
+
+def _per_env_lines(axes: Axes, records: Sequence[Metrics], prefix: str) -> list[float]:
+    """A mixture's envs, one dashed line each, labelled by name; the values drawn."""
+    drawn: list[float] = []
+    for name in env_names(records, prefix):
+        steps, means = _series(records, f"{prefix}{name}/reward_mean")
+        axes.plot(steps, means, linestyle="--", marker=".", linewidth=1, label=name)
+        drawn += means
+    return drawn
 
 
 def _causes_panel(axes: Axes, records: Sequence[Metrics]) -> None:

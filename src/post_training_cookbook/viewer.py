@@ -9,8 +9,9 @@ Reads a run's rollout dumps (``rollouts/train_step_NNNNNN.jsonl``, ``val_step_..
 evaluation's ``episodes.jsonl``, or such a file named directly. Tokens are decoded with the
 run's tokenizer (its ``final_model``'s, else its base model's); without one, token ids show.
 
-One module, a little over 400 lines: loading, the terminal view and the HTML view share the
-episode model (``EpisodeView``) and its turn splitting, and read best side by side.
+A mixture run's episodes show their env, and the summary each env's mean reward. One module,
+a little over 400 lines: loading, the terminal view and the HTML view share the episode
+model (``EpisodeView``) and its turn splitting, and read best side by side.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ class EpisodeView:
     mask: list[int] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     env_error: str | None = None
+    env: str | None = None
+    """A mixture run's: its task's ``metadata["env"]``."""
+    retried: list[str] = field(default_factory=list)
+    """The errors of the attempts played again (``env_errors="retry"``)."""
 
     @classmethod
     def from_record(cls, index: int, record: dict[str, Any]) -> EpisodeView:
@@ -68,6 +73,8 @@ class EpisodeView:
             mask=[int(m) for m in record.get("mask") or []],
             metrics=dict(record.get("metrics") or {}),
             env_error=record.get("env_error"),
+            env=(task.get("metadata") or {}).get("env"),
+            retried=list(record.get("retried_env_errors") or []),
         )
 
     @property
@@ -216,10 +223,12 @@ def format_step(
     color: bool = True,
     limit: int | None = None,
     group: int | None = None,
+    env: str | None = None,
     full_prompt: bool = False,
 ) -> str:
-    """The step as terminal text: a summary, then each episode (turns and coloured tokens)."""
-    episodes = [e for e in view.episodes if group is None or e.group == group]
+    """The step as terminal text: a summary, then each episode (turns and coloured tokens);
+    ``group`` and ``env`` keep only that group's or that env's episodes."""
+    episodes = [e for e in view.episodes if group in (None, e.group) and env in (None, e.env)]
     shown = episodes[:limit] if limit is not None else episodes
     paint = _painter(color)
     lines = [paint(BOLD, view.title), _summary(episodes)]
@@ -251,20 +260,28 @@ def _summary(episodes: Sequence[EpisodeView]) -> str:
     for episode in episodes:
         causes[episode.cause] = causes.get(episode.cause, 0) + 1
     ended = ", ".join(f"{cause} {count}" for cause, count in sorted(causes.items()))
-    return f"{len(episodes)} episode(s) · mean reward {mean:.3f} · {ended}"
+    by_env = ", ".join(
+        f"{name} {len(mine)} (mean {sum(e.reward for e in mine) / len(mine):.3f})"
+        for name in sorted({e.env for e in episodes if e.env is not None})
+        if (mine := [e for e in episodes if e.env == name])
+    )
+    by_env = f" · envs: {by_env}" if by_env else ""
+    return f"{len(episodes)} episode(s) · mean reward {mean:.3f} · {ended}{by_env}"
 
 
 def _episode_lines(
     episode: EpisodeView, decode: Decode | None, paint: Callable[[str, str], str], full: bool
 ) -> list[str]:
+    env = f" · env {episode.env}" if episode.env else ""
     head = (
-        f"── episode {episode.index} · group {episode.group} · reward {episode.reward:.3f} · "
+        f"── episode {episode.index} · group {episode.group}{env} · reward {episode.reward:.3f} · "
         f"{episode.cause} · {episode.num_turns} turn(s) · {len(episode.token_ids)} tokens "
         f"({episode.num_trained} trained)"
     )
     lines = [paint(BOLD, head), f"task: {episode.prompt}", f"target: {episode.target}"]
     if episode.env_error:
         lines.append(f"env error: {episode.env_error}")
+    lines += [f"played again after: {error}" for error in episode.retried]
     lines += [f"  {label} {text}" for label, text in _turns(episode)]
     lines.append("tokens:")
     lines.append(_token_text(episode, decode, paint, full))
@@ -321,7 +338,8 @@ def render_html(view: StepView, decode: Decode | None) -> str:
     esc = html.escape
     index_rows = "".join(
         f'<tr><td><a href="#episode-{e.index}">{e.index}</a></td><td>{e.group}</td>'
-        f"<td>{e.reward:.3f}</td><td>{esc(e.cause)}</td><td>{e.num_turns}</td>"
+        f"<td>{esc(e.env or '')}</td><td>{e.reward:.3f}</td><td>{esc(e.cause)}</td>"
+        f"<td>{e.num_turns}</td>"
         f"<td>{esc(_short(e.prompt, 120))}</td></tr>"
         for e in view.episodes
     )
@@ -363,9 +381,11 @@ def _episode_html(episode: EpisodeView, decode: Decode | None) -> str:
         for s in rest
     )
     error = f'<p class="error">env error: {esc(episode.env_error)}</p>' if episode.env_error else ""
+    error += "".join(f'<p class="error">played again after: {esc(e)}</p>' for e in episode.retried)
+    env = f" · env {esc(episode.env)}" if episode.env else ""
     return (
         f'<section class="episode {esc(episode.cause)}" id="episode-{episode.index}">'
-        f"<h2>Episode {episode.index} · group {episode.group} · reward {episode.reward:.3f} · "
+        f"<h2>Episode {episode.index} · group {episode.group}{env} · reward {episode.reward:.3f} · "
         f"{esc(episode.cause)} · {episode.num_turns} turn(s)</h2>"
         f'<p class="task"><b>Task</b> {esc(episode.prompt)} <b>Target</b> '
         f"{esc(episode.target)}</p>{error}"
@@ -402,7 +422,7 @@ _PAGE = """<!doctype html>
 <p class="legend">tokens: <span class="s">trained (mask 1, sampled)</span>
 <span class="f">forced (mask 0: prompt, tool results, template)</span></p>
 <p><small>{source}</small></p>
-<table><tr><th>#</th><th>group</th><th>reward</th><th>ended</th><th>turns</th><th>task</th></tr>
+<table><tr><th>#</th><th>group</th><th>env</th><th>reward</th><th>ended</th><th>turns</th><th>task</th></tr>
 {index_rows}</table>
 {episodes}
 </body></html>

@@ -3,6 +3,8 @@
     post-training-cookbook train run.yaml              GRPO from a YAML config
     post-training-cookbook eval MODEL                  score a model on an env
     post-training-cookbook eval --compare A B          two models, side by side
+    post-training-cookbook eval hosted:NAME --base-url URL   a hosted model, same env
+    post-training-cookbook serve MODEL                 an OpenAI-compatible endpoint
     post-training-cookbook models                      the model catalog
     post-training-cookbook plot runs/NAME              PNG of a run's metrics
     post-training-cookbook view runs/NAME --step N     one step's episodes

@@ -5,37 +5,42 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.cli.loading import (
-    DEFAULT_ENV,
-    DEFAULT_TASKS,
     CliError,
+    eval_env,
     load_env_factory,
+    load_mixture,
     load_tasks,
     load_train_config,
 )
 
 if TYPE_CHECKING:
-    from post_training_cookbook.evaluation import EvalResult, EvalSettings
+    from post_training_cookbook.evaluation import EvalResult, EvalSettings, HostedModel
     from post_training_cookbook.grpo.config import GRPOConfig
     from post_training_cookbook.models.catalog import ModelInfo
 
 PROG = "post-training-cookbook"
+HOSTED_PREFIX = "hosted:"
 
 
 def run_train(args: argparse.Namespace) -> int:
     from post_training_cookbook.grpo.train import train_multi_turn
 
     config, env = load_train_config(args.config, args.overrides)
-    if "tasks" not in env:
-        raise CliError(f"{args.config}: env.tasks is missing (the tasks to train on)")
-    factory = load_env_factory(env["factory"])
-    tasks = load_tasks(env["tasks"])
-    val_tasks = load_tasks(env["val_tasks"]) if "val_tasks" in env else None
-    run = train_multi_turn(config, tasks, factory, val_tasks)
+    if "mixture" in env:
+        run = train_multi_turn(config, load_mixture(env["mixture"]))
+    else:
+        if "tasks" not in env:
+            raise CliError(f"{args.config}: env.tasks is missing (the tasks to train on)")
+        factory = load_env_factory(env["factory"])
+        tasks = load_tasks(env["tasks"])
+        val_tasks = load_tasks(env["val_tasks"]) if "val_tasks" in env else None
+        run = train_multi_turn(config, tasks, factory, val_tasks)
     print(f"run: {run.path}")
     print(f"final model: {run.final_model_dir}")
     print(f"next: {PROG} plot {run.path}  |  {PROG} view {run.path}")
@@ -50,19 +55,21 @@ def run_eval(args: argparse.Namespace) -> int:
     transformers_logging.disable_progress_bar()  # weight loading bars, one per model
 
     config, env = load_train_config(args.config, []) if args.config else (None, {})
-    models = list(args.compare) if args.compare else [args.model or _config_model(config)]
+    named = list(args.compare) if args.compare else [args.model or _config_model(config)]
+    models = [_hosted_or_local(model, args) for model in named]
     if args.step is not None and args.compare:
         raise CliError("--step applies to one MODEL; with --compare, name checkpoint folders")
     settings = _eval_settings(args, config)
-    factory = load_env_factory(args.env or env.get("factory") or DEFAULT_ENV)
-    tasks = load_tasks(args.tasks or env.get("val_tasks") or env.get("tasks") or DEFAULT_TASKS)
+    factory, tasks = eval_env(args.env, args.tasks, env)
     tasks = tasks[: args.num_tasks] if args.num_tasks else tasks
     codec = args.codec or (config.codec if config else None)
     results: list[EvalResult] = []
     for model in models:
+        local = isinstance(model, str)
         coroutine = aevaluate(
             model, tasks, factory, settings,
-            codec=codec, step=args.step, dtype=args.dtype, pass_k=args.pass_k, label=args.label,
+            codec=codec if local else None, step=args.step if local else None,
+            dtype=args.dtype if local else None, pass_k=args.pass_k, label=args.label,
             runs_dir=None if args.no_save else args.runs_dir, progress=sys.stderr.isatty(),
             device=args.device,
         )  # fmt: skip
@@ -72,6 +79,36 @@ def run_eval(args: argparse.Namespace) -> int:
         print(json.dumps(summaries if args.compare else summaries[0], indent=1, default=str))
     else:
         print(format_comparison(results))
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as transformers_logging
+
+    from post_training_cookbook.serve import ServerLimits, load_served_model, serve_forever
+    from post_training_cookbook.serve.server import check_bind
+
+    transformers_logging.disable_progress_bar()
+    token = _env_value(args.token_env, "--token-env") if args.token_env else None
+    check_bind(args.host, token)  # before the weights load
+    limits = ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+    )
+    served, engine = load_served_model(
+        args.model, step=args.step, codec=args.codec, dtype=args.dtype,
+        max_model_length=args.max_model_length, default_max_tokens=args.max_tokens,
+        name=args.name,
+    )  # fmt: skip
+    shown = args.host if ":" not in args.host else f"[{args.host}]"
+    print(f"serving {served.name} at http://{shown}:{args.port}/v1 (Ctrl-C stops)", flush=True)
+    try:
+        serving = serve_forever(served, host=args.host, port=args.port, token=token, limits=limits)
+        asyncio.run(serving)
+    except KeyboardInterrupt:  # Ctrl-C is how a server stops: uvicorn re-raises it once done
+        print("stopped", flush=True)
+    finally:
+        engine.shutdown()
     return 0
 
 
@@ -111,6 +148,7 @@ def run_view(args: argparse.Namespace) -> int:
         return 0
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     options = {"limit": args.limit, "group": args.group, "full_prompt": args.full_prompt}
+    options["env"] = args.env
     print(format_step(view, decode, color=color, **options))
     return 0
 
@@ -129,6 +167,31 @@ def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalS
         "success_threshold": args.success_threshold,
     }
     return replace(base, **{key: value for key, value in flags.items() if value is not None})
+
+
+def _hosted_or_local(model: str, args: argparse.Namespace) -> str | HostedModel:
+    """``hosted:NAME`` as a ``HostedModel`` on ``--base-url``; anything else as it is."""
+    from post_training_cookbook.evaluation import HostedModel
+
+    if not model.startswith(HOSTED_PREFIX):
+        return model
+    if not args.base_url:
+        raise CliError(f"{model} needs --base-url (the endpoint, up to /v1)")
+    return HostedModel(
+        model[len(HOSTED_PREFIX) :],
+        args.base_url,
+        api_key_env=None if args.no_api_key else args.api_key_env,
+        max_concurrency=args.max_concurrency,
+        timeout_s=args.request_timeout,
+        max_retries=args.max_retries,
+    )
+
+
+def _env_value(name: str, flag: str) -> str:
+    value = os.environ.get(name, "")
+    if not value:
+        raise CliError(f"{flag} {name}: the environment variable is unset or empty")
+    return value
 
 
 def _config_model(config: GRPOConfig | None) -> str:

@@ -15,22 +15,26 @@ import yaml
 
 if TYPE_CHECKING:
     from post_training_cookbook.envs.base import Env, Task
+    from post_training_cookbook.envs.mixture import EnvMixture
     from post_training_cookbook.grpo.config import GRPOConfig
 
 DEFAULT_ENV = "post_training_cookbook.envs.tool_use_game:ToolUseGameEnv"
 DEFAULT_TASKS = "post_training_cookbook.envs.tool_use_game:TOOL_USE_GAME_VAL_TASKS"
 ENV_KEYS = ("factory", "tasks", "val_tasks")
+MIXTURE_KEYS = ("name", "factory", "tasks", "val_tasks", "weight")
+"""The keys of one entry of ``env: {mixture: [...]}``: a ``MixtureEntry`` by import paths."""
 EnvFactory = Callable[["Task"], "Env"]
+EnvSection = dict[str, Any]
+"""A training YAML's ``env``: import paths by key (``factory``, ``tasks``, ``val_tasks``), or
+``{"mixture": [entry, ...]}``, each entry those paths plus a ``name`` and a ``weight``."""
 
 
 class CliError(Exception):
     """A bad argument or input: reported in one line, exit status 2."""
 
 
-def load_train_config(
-    path: Path, overrides: Sequence[str] = ()
-) -> tuple[GRPOConfig, dict[str, str]]:
-    """The GRPOConfig of a training YAML and its ``env`` section (import paths by key)."""
+def load_train_config(path: Path, overrides: Sequence[str] = ()) -> tuple[GRPOConfig, EnvSection]:
+    """The GRPOConfig of a training YAML and its ``env`` section (see ``EnvSection``)."""
     from post_training_cookbook.grpo.config import ConfigYamlLoader, GRPOConfig
 
     try:
@@ -39,21 +43,96 @@ def load_train_config(
         raise CliError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise CliError(f"{path}: expected a mapping of GRPOConfig fields and an env section")
-    env = data.pop("env", None) or {}
-    if not isinstance(env, dict) or "factory" not in env:
-        raise CliError(f"{path}: needs an 'env:' section with a 'factory' import path")
-    unknown = sorted(set(env) - set(ENV_KEYS))
-    if unknown:
-        raise CliError(f"{path}: unknown env key(s) {unknown}; known: {list(ENV_KEYS)}")
+    env = _env_section(path, data.pop("env", None) or {})
     for override in overrides:
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise CliError(f"--set expects FIELD=VALUE, got {override!r}")
         data[key.strip()] = yaml.load(value, Loader=ConfigYamlLoader)
     try:
-        return GRPOConfig.from_dict(data), {key: str(value) for key, value in env.items()}
+        return GRPOConfig.from_dict(data), env
     except ValueError as exc:
         raise CliError(f"{path}: {exc}") from exc
+
+
+def _env_section(path: Path, env: Any) -> EnvSection:
+    if isinstance(env, dict) and "mixture" in env:
+        return {"mixture": _mixture_section(path, env)}
+    if not isinstance(env, dict) or "factory" not in env:
+        raise CliError(
+            f"{path}: needs an 'env:' section with a 'factory' import path (or a 'mixture:' "
+            "list of envs)"
+        )
+    unknown = sorted(set(env) - set(ENV_KEYS))
+    if unknown:
+        raise CliError(f"{path}: unknown env key(s) {unknown}; known: {list(ENV_KEYS)}")
+    return {key: str(value) for key, value in env.items()}
+
+
+def _mixture_section(path: Path, env: dict[str, Any]) -> list[dict[str, Any]]:
+    entries = env["mixture"]
+    if set(env) != {"mixture"}:
+        raise CliError(f"{path}: env.mixture comes alone; move {sorted(set(env) - {'mixture'})}")
+    if not isinstance(entries, list) or not entries:
+        raise CliError(f"{path}: env.mixture must be a list of envs, each a mapping")
+    checked = []
+    for number, entry in enumerate(entries, start=1):
+        where = f"{path}: env.mixture entry {number}"
+        if not isinstance(entry, dict):
+            raise CliError(f"{where} is not a mapping of {list(MIXTURE_KEYS)}")
+        unknown = sorted(set(entry) - set(MIXTURE_KEYS))
+        if unknown:
+            raise CliError(f"{where}: unknown key(s) {unknown}; known: {list(MIXTURE_KEYS)}")
+        missing = [key for key in ("name", "factory", "tasks") if key not in entry]
+        if missing:
+            raise CliError(f"{where} needs {', '.join(missing)}")
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise CliError(f"{where}: weight must be a number, got {weight!r}")
+        paths = {
+            key: str(entry[key])
+            for key in ("name", "factory", "tasks", "val_tasks")
+            if key in entry
+        }
+        checked.append({**paths, "weight": float(weight)})
+    return checked
+
+
+def load_mixture(entries: Sequence[dict[str, Any]]) -> EnvMixture:
+    """The ``EnvMixture`` of a YAML's ``env.mixture`` entries (import paths loaded)."""
+    from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
+
+    try:
+        return EnvMixture(
+            [
+                MixtureEntry(
+                    entry["name"],
+                    load_tasks(entry["tasks"]),
+                    load_env_factory(entry["factory"]),
+                    entry["weight"],
+                    load_tasks(entry["val_tasks"]) if "val_tasks" in entry else (),
+                )
+                for entry in entries
+            ]
+        )
+    except ValueError as exc:
+        raise CliError(f"env.mixture: {exc}") from exc
+
+
+def eval_env(
+    env_flag: str | None, tasks_flag: str | None, env: EnvSection
+) -> tuple[EnvFactory, list[Task]]:
+    """What ``eval`` plays: the flags' env and tasks, else the config's ``env`` section (a
+    mixture's validation tasks, else its tasks, each on its own env), else the game's."""
+    if "mixture" in env and env_flag is None:
+        if tasks_flag is not None:
+            raise CliError("--tasks with a config whose env is a mixture needs --env as well")
+        mixture = load_mixture(env["mixture"])
+        return mixture.env_factory, mixture.val_tasks or mixture.tasks
+    factory = load_env_factory(env_flag or env.get("factory") or DEFAULT_ENV)
+    return factory, load_tasks(
+        tasks_flag or env.get("val_tasks") or env.get("tasks") or DEFAULT_TASKS
+    )
 
 
 def import_object(spec: str) -> Any:

@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_train(subparsers)
     _add_eval(subparsers)
+    _add_serve(subparsers)
     _add_models(subparsers)
     _add_plot(subparsers)
     _add_view(subparsers)
@@ -111,13 +112,18 @@ def _add_eval(subparsers: Any) -> None:
         "eval",
         "Score a model on an env: mean reward, pass@k, per level, how episodes end.",
         "MODEL is a catalog id, a local Hugging Face folder, a run directory (its\n"
-        "final_model; --step N for a checkpoint) or a checkpoint folder.\n"
+        "final_model; --step N for a checkpoint), a checkpoint folder, or hosted:NAME,\n"
+        "the model NAME on the OpenAI-compatible endpoint at --base-url (API key read\n"
+        "from --api-key-env). A hosted model's tokens are its own: token counts do not\n"
+        "compare with a local model's (docs/hosted_eval.md).\n"
         "Settings: a flag, else --config's (the run's validation settings), else the\n"
         "GRPOConfig defaults. Compare models only under the same settings.\n\n"
         "examples:\n"
         "  %(prog)s post-training-cookbook/tool-use-tiny --episodes-per-task 4\n"
         "  %(prog)s --config run.yaml --compare post-training-cookbook/tool-use-tiny runs/x\n"
-        "  %(prog)s runs/x --step 10 --num-tasks 8",
+        "  %(prog)s runs/x --step 10 --num-tasks 8\n"
+        "  %(prog)s --compare hosted:gpt-4.1-mini post-training-cookbook/tool-use-tiny \\\n"
+        "      --base-url https://api.openai.com/v1 --api-key-env OPENAI_API_KEY",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -160,11 +166,70 @@ def _add_eval(subparsers: Any) -> None:
     parser.add_argument(
         "--device", default="auto", help="where to sample: auto (CUDA when present), cpu, cuda:N"
     )
+    hosted = parser.add_argument_group("hosted models (MODEL = hosted:NAME)")
+    hosted.add_argument("--base-url", metavar="URL", help="the endpoint, up to /v1")
+    hosted.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        metavar="VAR",
+        help="environment variable holding the API key (default OPENAI_API_KEY)",
+    )
+    hosted.add_argument("--no-api-key", action="store_true", help="the endpoint takes no API key")
+    hosted.add_argument(
+        "--max-concurrency", type=_positive, default=8, metavar="N", help="requests in flight (8)"
+    )
+    hosted.add_argument(
+        "--request-timeout", type=float, default=120.0, metavar="S", help="per request (120)"
+    )
+    hosted.add_argument(
+        "--max-retries", type=int, default=4, metavar="N", help="retries with backoff (4)"
+    )
     parser.add_argument("--label", default="eval", help="output folder: eval_LABEL_MODEL_TIME")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="(default: runs)")
     parser.add_argument("--no-save", action="store_true", help="write no output folder")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(run=commands.run_eval)
+
+
+def _add_serve(subparsers: Any) -> None:
+    parser = _command(
+        subparsers,
+        "serve",
+        "Serve a model as an OpenAI-compatible /v1/chat/completions endpoint.",
+        "MODEL is a catalog id, a local folder, a run directory (--step N for a checkpoint)\n"
+        "or a checkpoint folder: sampled through the same codec and engine as training,\n"
+        "token-in-token-out per conversation. Binds 127.0.0.1 unless --host says otherwise;\n"
+        "any other address needs --token-env (clients send Authorization: Bearer TOKEN).\n\n"
+        "examples:\n"
+        "  %(prog)s post-training-cookbook/tool-use-tiny --port 8000\n"
+        "  %(prog)s runs/x --step 10 --host 0.0.0.0 --token-env SERVE_TOKEN",
+    )
+    parser.add_argument("model", metavar="MODEL", help="what to serve")
+    parser.add_argument("--step", type=int, metavar="N", help="a run's checkpoint at step N")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port (8000)")
+    parser.add_argument(
+        "--token-env", metavar="VAR", help="environment variable holding the bearer token"
+    )
+    parser.add_argument("--name", help="the model name answers carry (default: the model's)")
+    parser.add_argument("--codec", help="codec name (default: the catalog's or the run's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), help="sampling dtype")
+    parser.add_argument(
+        "--max-model-length", type=_positive, metavar="N", help="prompt + completion limit"
+    )
+    parser.add_argument(
+        "--max-tokens", type=_positive, default=256, metavar="N",
+        help="max_tokens of a request that names none (256)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-concurrent-requests", type=_positive, default=64, metavar="N",
+        help="requests in flight; more get 429 (64)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-request-bytes", type=_positive, default=4 * 2**20, metavar="N",
+        help="larger bodies get 413 (4 MiB)",
+    )  # fmt: skip
+    parser.set_defaults(run=commands.run_serve)
 
 
 def _add_models(subparsers: Any) -> None:
@@ -208,6 +273,7 @@ def _add_view(subparsers: Any) -> None:
     parser.add_argument("--html", type=Path, metavar="OUT", help="write a self-contained HTML")
     parser.add_argument("--limit", type=_positive, metavar="N", help="show at most N episodes")
     parser.add_argument("--group", type=int, metavar="G", help="only group G's episodes")
+    parser.add_argument("--env", metavar="NAME", help="only env NAME's episodes (a mixture run)")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     parser.add_argument("--full-prompt", action="store_true", help="show the prompt's tokens")
     parser.set_defaults(run=commands.run_view)

@@ -1,18 +1,49 @@
-"""Environments: tasks, tools and episodes (see ``base`` for the contract)."""
+"""Environments: tasks, tools and episodes (see ``base`` for the contract).
+
+On top of the contract, the pieces an env is written with: ``function_tool`` (a typed,
+documented function as a tool), ``ToolEnv`` (the tool-use episode loop, with its parts to
+override), reward functions and ``Rubric`` (``rewards``), judge-model rewards (``judge``) and
+weighted mixtures of envs (``mixture``).
+"""
 
 from post_training_cookbook.envs.arithmetic import safe_eval
 from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, ToolResult, tool_to_spec
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
+from post_training_cookbook.envs.judge import JudgeError, JudgeReward, LocalJudge, OpenAIJudge
+from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
+from post_training_cookbook.envs.rewards import (
+    RewardFn,
+    Rubric,
+    exact_answer,
+    numeric_answer,
+    score_answer,
+)
+from post_training_cookbook.envs.tool_env import ToolEnv
+from post_training_cookbook.envs.tools import FunctionTool, function_tool
 
 __all__ = [
     "Env",
     "EnvCheckError",
     "EnvCheckReport",
+    "EnvMixture",
+    "FunctionTool",
+    "JudgeError",
+    "JudgeReward",
+    "LocalJudge",
+    "MixtureEntry",
+    "OpenAIJudge",
+    "RewardFn",
+    "Rubric",
     "StepResult",
     "Task",
     "Tool",
+    "ToolEnv",
     "ToolResult",
     "check_env",
+    "exact_answer",
+    "function_tool",
+    "numeric_answer",
     "safe_eval",
+    "score_answer",
     "tool_to_spec",
 ]

@@ -17,6 +17,7 @@ Only the final ``StepResult``'s ``reward`` and ``metrics`` are read.
 from __future__ import annotations
 
 import abc
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -95,7 +96,13 @@ class Env(abc.ABC):
 
 
 def tool_to_spec(tool: Tool) -> ToolSpec:
-    """The OpenAI function-tool schema of ``tool``."""
+    """The OpenAI function-tool schema of ``tool``. A ``function_tool``'s is what
+    transformers' ``get_json_schema`` made of its function (with ``return`` when the function
+    declares one), so that a prompt renders it as TRL and chat templates do."""
+    from post_training_cookbook.envs.tools import FunctionTool
+
+    if isinstance(tool, FunctionTool):
+        return copy.deepcopy(tool.spec)
     return {
         "type": "function",
         "function": {

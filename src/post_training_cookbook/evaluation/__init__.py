@@ -7,9 +7,11 @@
     print(format_comparison([before, after]))
 
 ``runner`` plays the episodes (as training validation does), ``results`` holds what comes
-back (``EvalResult``, pass@k, tables), ``models`` decides what to load.
+back (``EvalResult``, pass@k, tables), ``models`` decides what to load, ``hosted`` scores an
+OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``).
 """
 
+from post_training_cookbook.evaluation.hosted import HostedEndpointError, HostedModel
 from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
 from post_training_cookbook.evaluation.results import (
     EvalResult,
@@ -26,6 +28,8 @@ __all__ = [
     "EvalModel",
     "EvalResult",
     "EvalSettings",
+    "HostedEndpointError",
+    "HostedModel",
     "LevelResult",
     "TaskResult",
     "aevaluate",

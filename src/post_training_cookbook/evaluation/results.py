@@ -10,6 +10,9 @@ Every number comes from the same groups of episodes the training loop plays, sum
 - per-level results, for tasks whose ``metadata["level"]`` is set, and per-task results;
 - ``eval/length_capped``: the share of episodes with a turn cut at ``max_tokens_per_turn``.
   When it is high the score measures truncation: raise ``max_tokens_per_turn``.
+
+A hosted model's episodes hold no tokens of ours: its columns show the endpoint's own counts
+(``eval/endpoint_tokens_per_episode``) instead of ``tokens / episode``, with a note.
 """
 
 from __future__ import annotations
@@ -24,9 +27,11 @@ from typing import TYPE_CHECKING, Any
 from post_training_cookbook.rollout import (
     ENV_ERROR_POLICIES,
     EnvErrorPolicy,
+    EpisodeLimits,
     Group,
     TruncationCause,
     episode_metrics,
+    per_env_metrics,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +59,8 @@ class EvalSettings:
     failed_parse_reward: float = 0.0
     env_errors: EnvErrorPolicy = "raise"
     env_step_timeout_s: float | None = 60.0
+    env_retry_attempts: int = 2
+    """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
         for name in ("episodes_per_task", "max_turns", "max_model_length", "max_tokens_per_turn"):
@@ -65,6 +72,8 @@ class EvalSettings:
             raise ValueError(
                 f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
             )
+        if self.env_retry_attempts < 1:
+            raise ValueError(f"env_retry_attempts must be >= 1, got {self.env_retry_attempts}")
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> EvalSettings:
@@ -80,6 +89,19 @@ class EvalSettings:
             failed_parse_reward=config.failed_parse_reward,
             env_errors=config.env_errors,
             env_step_timeout_s=config.env_step_timeout_s,
+            env_retry_attempts=config.env_retry_attempts,
+        )
+
+    def episode_limits(self) -> EpisodeLimits:
+        """The limits and the env error policy every evaluated episode plays under."""
+        return EpisodeLimits(
+            max_turns=self.max_turns,
+            max_model_length=self.max_model_length,
+            max_tokens_per_turn=self.max_tokens_per_turn,
+            failed_parse_reward=self.failed_parse_reward,
+            env_step_timeout_s=self.env_step_timeout_s,
+            env_errors=self.env_errors,
+            env_retry_attempts=self.env_retry_attempts,
         )
 
     def describe(self) -> str:
@@ -144,6 +166,8 @@ class EvalResult:
     output_dir: Path | None = None
     groups: list[Group] = field(default_factory=list, repr=False)
     """The episodes themselves (not in ``to_dict``)."""
+    hosted: bool = False
+    """Scored on a hosted endpoint: its token counts are its own tokenizer's, not ours."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, groups=[]))  # asdict would deep-copy every episode
@@ -175,7 +199,7 @@ def summarize(
 ) -> tuple[dict[str, float], dict[str, LevelResult], list[TaskResult]]:
     """The ``eval/`` metrics, per-level and per-task results of one group per task."""
     tasks = [_task_result(index, group, settings) for index, group in enumerate(groups)]
-    metrics = episode_metrics(groups, prefix="eval/")
+    metrics = episode_metrics(groups, prefix="eval/") | per_env_metrics(groups, "eval/")
     for k in ks:
         metrics[f"eval/pass@{k}"] = statistics.fmean(task.pass_at(k) for task in tasks)
     levels: dict[str, LevelResult] = {}
@@ -258,11 +282,14 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
         rows.append(row(f"level {level}: reward", lambda r, lv=level: _level_reward(r, lv)))
     rows += [row(f"ended: {cause}", lambda r, c=cause: r.termination.get(c)) for cause in CAUSES]
     rows.append(row("eval/length_capped", lambda r: r.length_capped))
-    for key, name in (
+    names = [
         ("parse_rate", "parse rate"),
         ("turns_per_episode", "turns / episode"),
         ("tokens_per_episode", "tokens / episode"),
-    ):
+    ]
+    if any(result.hosted for result in results):
+        names.append(("endpoint_tokens_per_episode", "endpoint tokens / episode"))
+    for key, name in names:
         rows.append(row(name, lambda r, key=key: r.metrics.get(f"eval/{key}")))
     return rows
 
@@ -300,6 +327,12 @@ def _notes(results: Sequence[EvalResult]) -> list[str]:
             notes.append(
                 f"WARNING: {letter}: eval/length_capped = {result.length_capped:.2f}; the score "
                 "measures truncation, raise max_tokens_per_turn"
+            )
+    for letter, result in zip("ABCDEFGH", results, strict=False):
+        if result.hosted:
+            notes.append(
+                f"NOTE: {letter} is a hosted model: its tokens are its endpoint's, not ours, so "
+                "its token counts (and max_model_length, held in them) do not compare"
             )
     for letter, result in zip("ABCDEFGH", results, strict=False):
         where = f" → {result.output_dir}" if result.output_dir else ""

@@ -8,6 +8,10 @@ runs one group of ``episodes_per_task`` episodes per task. So with the same sett
 compare. (The hosted cookbook's baseline scripts skip the codec and the token budget, and
 say their numbers do not compare; these do.)
 
+A ``HostedModel`` (any OpenAI-compatible endpoint, ``hosted.py``) is scored on the same env,
+tasks and settings through the rollout layer's chat driver; its token counts are its own and
+are reported as such (docs/hosted_eval.md).
+
 Output, unless ``runs_dir=None``::
 
     runs/eval_<label>_<model>_<UTC time>/
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.evaluation.hosted import HostedModel, play_hosted
 from post_training_cookbook.evaluation.models import (
     EvalModel,
     load_eval_weights,
@@ -43,7 +48,6 @@ from post_training_cookbook.evaluation.results import (
 from post_training_cookbook.models.catalog import check_model_can_sample
 from post_training_cookbook.rollout import (
     EnvErrorPolicy,
-    EpisodeLimits,
     EpisodeRunner,
     Group,
     check_episode_inputs,
@@ -55,8 +59,11 @@ from post_training_cookbook.sync import run_sync
 EnvFactory = Callable[[Task], Env]
 
 
+ModelToScore = str | os.PathLike[str] | HostedModel
+
+
 def evaluate(
-    model_or_checkpoint: str | os.PathLike[str],
+    model_or_checkpoint: ModelToScore,
     tasks: Sequence[Task],
     env_factory: EnvFactory,
     episodes_per_task: int = 1,
@@ -82,10 +89,12 @@ def evaluate(
     """Play ``episodes_per_task`` episodes of every task with ``model_or_checkpoint``.
 
     ``model_or_checkpoint``: a catalog id, a local Hugging Face folder, a run directory (its
-    ``final_model``, or its checkpoint ``step``), or a checkpoint folder. The limits default
-    to ``GRPOConfig``'s. ``pass_k`` defaults to 1, 2, 4, ... up to ``episodes_per_task``.
-    ``dtype`` defaults to the run's, else the model's. ``device``: where the engine samples,
-    as ``GRPOConfig.device`` (``"auto"``: CUDA when present). ``runs_dir=None`` writes nothing.
+    ``final_model``, or its checkpoint ``step``), a checkpoint folder, or a ``HostedModel``
+    (an OpenAI-compatible endpoint; ``codec``, ``step``, ``dtype`` and ``device`` do not apply).
+    The limits default to ``GRPOConfig``'s. ``pass_k`` defaults to 1, 2, 4, ... up to
+    ``episodes_per_task``. ``dtype`` defaults to the run's, else the model's. ``device``: where
+    the engine samples, as ``GRPOConfig.device`` (``"auto"``: CUDA when present).
+    ``runs_dir=None`` writes nothing.
     Bad input raises ``ValueError`` before any weights load. Callable from sync code, also
     inside a running event loop; ``aevaluate`` is the async form.
     """
@@ -109,7 +118,7 @@ def evaluate(
 
 
 async def aevaluate(
-    model_or_checkpoint: str | os.PathLike[str],
+    model_or_checkpoint: ModelToScore,
     tasks: Sequence[Task],
     env_factory: EnvFactory,
     settings: EvalSettings,
@@ -125,22 +134,35 @@ async def aevaluate(
     device: str = "auto",
 ) -> EvalResult:
     """``evaluate`` for async callers, with the settings as one ``EvalSettings``."""
-    from post_training_cookbook.service.factory import resolve_device
-
-    model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
-    ks = _checked(model, tasks, env_factory, settings, pass_k, label)
-    engine_device = resolve_device(device)
     started = time.perf_counter()
-    groups = await _play(
-        model, list(tasks), env_factory, settings, dtype, max_batch_size, progress, engine_device
-    )
+    if isinstance(model_or_checkpoint, HostedModel):
+        hosted = model_or_checkpoint
+        if codec is not None or step is not None or dtype is not None:
+            raise ValueError("codec, step and dtype apply to local models, not a HostedModel")
+        ks = _checked(tasks, env_factory, settings, pass_k, label)
+        hosted.api_key()  # an unset key fails before any episode starts
+        name, source, tokenizer = hosted.name, hosted.base_url, "(the endpoint's own)"
+        with _Bar(len(tasks), f"eval {name}", progress) as bar:
+            groups = await play_hosted(hosted, tasks, env_factory, settings, bar.tick)
+    else:
+        from post_training_cookbook.service.factory import resolve_device
+
+        model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
+        ks = _checked(tasks, env_factory, settings, pass_k, label)
+        check_model_can_sample(model.info, settings.max_model_length)
+        engine_device = resolve_device(device)
+        name, source, tokenizer = model.name, model.source, model.tokenizer_info.source
+        groups = await _play(
+            model, list(tasks), env_factory, settings, dtype, max_batch_size, progress,
+            engine_device,
+        )  # fmt: skip
     metrics, per_level, per_task = summarize(groups, settings, ks)
     result = EvalResult(
         label=label,
-        model=str(model_or_checkpoint),
-        model_name=model.name,
-        model_source=model.source,
-        tokenizer_source=model.tokenizer_info.source,
+        model=_described(model_or_checkpoint),
+        model_name=name,
+        model_source=source,
+        tokenizer_source=tokenizer,
         settings=settings,
         num_tasks=len(groups),
         num_episodes=sum(len(group.episodes) for group in groups),
@@ -153,6 +175,7 @@ async def aevaluate(
         per_task=per_task,
         elapsed_s=time.perf_counter() - started,
         groups=groups,
+        hosted=isinstance(model_or_checkpoint, HostedModel),
     )
     if runs_dir is not None:
         result.output_dir = write_eval(result, Path(runs_dir))
@@ -171,7 +194,6 @@ def write_eval(result: EvalResult, runs_dir: Path) -> Path:
 
 
 def _checked(
-    model: EvalModel,
     tasks: Sequence[Task],
     env_factory: EnvFactory,
     settings: EvalSettings,
@@ -182,7 +204,6 @@ def _checked(
     check_episode_inputs(tasks, env_factory, purpose="evaluate")
     if not re.fullmatch(r"[A-Za-z0-9._-]+", label):
         raise ValueError(f"label must be a folder name (letters, digits, . _ -), got {label!r}")
-    check_model_can_sample(model.info, settings.max_model_length)
     ks = sorted(set(pass_k)) if pass_k else default_ks(settings.episodes_per_task)
     if not all(1 <= k <= settings.episodes_per_task for k in ks):
         raise ValueError(
@@ -202,7 +223,6 @@ async def _play(
     device: str,
 ) -> list[Group]:
     import torch
-    from tqdm import tqdm
 
     from post_training_cookbook.engine.local import LocalEngine
     from post_training_cookbook.engine.types import SamplingParams
@@ -218,14 +238,7 @@ async def _play(
         max_batch_size=max_batch_size,
         copy_model=False,
     )
-    limits = EpisodeLimits(
-        max_turns=settings.max_turns,
-        max_model_length=settings.max_model_length,
-        max_tokens_per_turn=settings.max_tokens_per_turn,
-        failed_parse_reward=settings.failed_parse_reward,
-        env_step_timeout_s=settings.env_step_timeout_s,
-        env_errors=settings.env_errors,
-    )
+    limits = settings.episode_limits()
     runner = EpisodeRunner(env_factory, engine, codec, limits)
     params = SamplingParams(
         max_tokens=settings.max_tokens_per_turn,
@@ -233,18 +246,39 @@ async def _play(
         top_p=settings.top_p,
         stop_token_ids=codec.stop_token_ids,
     )
-    bar = tqdm(total=len(tasks), desc=f"eval {model.name}", unit="task", disable=not progress)
 
-    async def play_task(task: Task) -> Group:
+    async def play_task(task: Task, bar: _Bar) -> Group:
         group = await play_group(runner, task, settings.episodes_per_task, params)
-        bar.update(1)
+        bar.tick()
         return group
 
     try:
-        return list(await asyncio.gather(*(play_task(task) for task in tasks)))
+        with _Bar(len(tasks), f"eval {model.name}", progress) as bar:
+            return list(await asyncio.gather(*(play_task(task, bar) for task in tasks)))
     finally:
-        bar.close()
         await engine.close()
+
+
+class _Bar:
+    def __init__(self, total: int, description: str, shown: bool) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total, desc=description, unit="task", disable=not shown)
+
+    def tick(self) -> None:
+        self._bar.update(1)
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._bar.close()
+
+
+def _described(model: ModelToScore) -> str:
+    if isinstance(model, HostedModel):
+        return f"{model.model} at {model.base_url}"
+    return str(model)
 
 
 def _episode_records(groups: Sequence[Group]) -> Iterator[dict[str, Any]]:

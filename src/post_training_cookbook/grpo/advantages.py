@@ -11,6 +11,8 @@ are informative, group-relative advantages, and the training samples the trainer
 - ``overlong_masking``: truncated episodes of any cause give no sample, but their rewards
   stay in the group baseline.
 - Every sampled token of an episode gets the episode's advantage; forced tokens get 0.
+- An episode is one sample, except an external agent's whose history broke between calls
+  (``agents/``): each of its segments is a sample of its own, with the episode's advantage.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class RewardShaping:
         """The reward GRPO compares within a group: the env's, plus the overlong penalty for
         an episode the loop cut for context or turns."""
         if episode.truncation in PENALISED_CAUSES:
-            return episode.reward + self.overlong_penalty(len(episode.tokens))
+            return episode.reward + self.overlong_penalty(episode.context_tokens)
         return episode.reward
 
 
@@ -110,15 +112,19 @@ def build_training_batch(groups: Sequence[Group], settings: AdvantageSettings) -
             if settings.overlong_masking and not episode.terminated:
                 masked += 1
                 continue
-            if any(episode.mask):
-                samples.append(episode_sample(episode, advantage))
+            samples += episode_samples(episode, advantage)
     return TrainingBatch(samples, trained_groups, zero_variance, masked)
 
 
-def episode_sample(episode: Episode, advantage: float) -> TrainingSample:
-    return TrainingSample(
-        tokens=list(episode.tokens),
-        mask=list(episode.mask),
-        sampler_logprobs=list(episode.sampler_logprobs),
-        advantages=[advantage * m for m in episode.mask],
-    )
+def episode_samples(episode: Episode, advantage: float) -> list[TrainingSample]:
+    """One sample per token sequence of the episode that sampled anything."""
+    return [
+        TrainingSample(
+            tokens=episode.tokens[piece],
+            mask=episode.mask[piece],
+            sampler_logprobs=episode.sampler_logprobs[piece],
+            advantages=[advantage * m for m in episode.mask[piece]],
+        )
+        for piece in episode.segments()
+        if any(episode.mask[piece])
+    ]

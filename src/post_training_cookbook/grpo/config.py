@@ -319,7 +319,13 @@ class GRPOConfig:
     limit."""
     env_errors: EnvErrorPolicy = "raise"
     """``"raise"``: an env error stops the run, naming the task and turn (the seed's
-    behaviour). ``"truncate"``: the episode ends as ``ENV`` and is counted."""
+    behaviour). ``"truncate"``: the episode ends as ``ENV`` and is counted. ``"retry"``: the
+    episode is played again from the start with a fresh env, up to ``env_retry_attempts``
+    times, then ends as under ``"truncate"``; retries count in ``rollout/env_retries``."""
+    env_retry_attempts: int = setting(
+        2, at_least(1), at_most(100, "a retry replays a whole episode")
+    )
+    """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
         self._normalise()

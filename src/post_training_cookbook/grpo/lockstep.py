@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
+from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.grpo.advantages import (
     RewardShaping,
     TrainingBatch,
     build_training_batch,
     is_informative,
 )
-from post_training_cookbook.grpo.data import TaskStream
+from post_training_cookbook.grpo.data import TaskSource, task_stream
 from post_training_cookbook.grpo.runs import LoopState, Run
 from post_training_cookbook.grpo.settings import StepSettings, ValidationSettings
 from post_training_cookbook.rollout import (
@@ -41,17 +42,20 @@ from post_training_cookbook.rollout import (
     check_rollouts_usable,
     derive_seed,
     episode_metrics,
+    per_env_metrics,
     play_groups,
 )
 from post_training_cookbook.service.base import ModelService
 
 
-async def run_lockstep(run: Run, tasks: Sequence[Task], val_tasks: Sequence[Task]) -> None:
+async def run_lockstep(
+    run: Run, tasks: Sequence[Task] | EnvMixture, val_tasks: Sequence[Task]
+) -> None:
     """Lockstep: each step's rollouts finish before it trains, so every step is on-policy."""
     steps, schedule = run.settings.steps, run.settings.schedule
     max_model_length = run.settings.episodes.max_model_length
     cursor = run.resumed.task_cursor if run.resumed else 0
-    stream = TaskStream(tasks, steps.seed, cursor=cursor)
+    stream = task_stream(tasks, steps.seed, cursor=cursor)
     for step in range(run.start_step, schedule.num_steps):
         metrics: dict[str, float] = {}
         if val_tasks and schedule.validation_due(step):
@@ -104,7 +108,7 @@ class CollectedGroups:
 
 
 async def collect_groups(
-    episodes: EpisodeRunner, stream: TaskStream, steps: StepSettings, params: SamplingParams
+    episodes: EpisodeRunner, stream: TaskSource, steps: StepSettings, params: SamplingParams
 ) -> CollectedGroups:
     """Phase 1 with dynamic sampling: each of up to ``max_sampling_attempts`` rounds plays as
     many new tasks as the batch still lacks informative groups."""
@@ -149,8 +153,12 @@ async def train(
 
 
 def rollout_metrics(groups: Sequence[Group], shaping: RewardShaping) -> dict[str, float]:
-    """The step's episode metrics, reward variance judged as the skip judges it."""
-    return episode_metrics(groups, reward_of=shaping.shaped_reward)
+    """The step's episode metrics, reward variance judged as the skip judges it; the same
+    per env of a mixture (``rollout/<env>/…``)."""
+    reward_of = shaping.shaped_reward
+    return episode_metrics(groups, reward_of=reward_of) | per_env_metrics(
+        groups, "rollout/", reward_of
+    )
 
 
 async def validate(
@@ -168,7 +176,10 @@ async def validate(
     started = time.perf_counter()
     seeds = [derive_seed(settings.seed, "val", index) for index in range(len(tasks))]
     groups = await play_groups(episodes, tasks, settings.episodes_per_task, params, seeds)
-    metrics = episode_metrics(groups, prefix="val/", reward_of=settings.shaping.shaped_reward)
+    reward_of = settings.shaping.shaped_reward
+    metrics = episode_metrics(groups, "val/", reward_of) | per_env_metrics(
+        groups, "val/", reward_of
+    )
     return groups, metrics | {
         "val/policy_version": float(version),
         "time/validation": time.perf_counter() - started,

@@ -162,6 +162,7 @@ class RunSettings:
                 failed_parse_reward=config.failed_parse_reward,
                 env_step_timeout_s=config.env_step_timeout_s,
                 env_errors=config.env_errors,
+                env_retry_attempts=config.env_retry_attempts,
             ),
             train_sampling=_sampling(config, config.temperature),
             val_sampling=_sampling(config, config.val_temperature),

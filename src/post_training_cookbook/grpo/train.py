@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.envs.single_turn import SingleTurnEnv
 from post_training_cookbook.files import commit_folder, partial_folder
 from post_training_cookbook.grpo.async_loop import run_async
@@ -43,18 +44,21 @@ EnvFactory = Callable[[Task], Env]
 
 def train_multi_turn(
     config: GRPOConfig,
-    tasks: Sequence[Task],
-    env_factory: EnvFactory,
+    tasks: Sequence[Task] | EnvMixture,
+    env_factory: EnvFactory | None = None,
     val_tasks: Sequence[Task] | None = None,
 ) -> RunDirectory:
     """Train ``config.model`` with GRPO on episodes of ``env_factory(task)`` for each task.
 
-    Returns the run directory (``runs/<run_name>``). Bad input fails before any model loads.
-    Without ``val_tasks`` the run does not validate (and says so once). Callable from sync
-    code, also inside a running event loop (a notebook).
+    ``tasks`` may be an ``EnvMixture`` instead, which brings its envs' factories, weights and
+    validation tasks: then leave ``env_factory`` and ``val_tasks`` out. Returns the run
+    directory (``runs/<run_name>``). Bad input fails before any model loads. Without
+    validation tasks the run does not validate (and says so once). Callable from sync code,
+    also inside a running event loop (a notebook).
     """
-    config, settings = _checked(config, tasks, env_factory, val_tasks)
-    return run_sync(_train(config, settings, tasks, env_factory, list(val_tasks or [])))
+    factory, val = _episode_inputs(tasks, env_factory, val_tasks)
+    config, settings = _checked(config, tasks, factory, val)
+    return run_sync(_train(config, settings, tasks, factory, val))
 
 
 def train_single_turn(
@@ -71,20 +75,39 @@ def train_single_turn(
     )
 
 
+def _episode_inputs(
+    tasks: Sequence[Task] | EnvMixture,
+    env_factory: EnvFactory | None,
+    val_tasks: Sequence[Task] | None,
+) -> tuple[EnvFactory, list[Task]]:
+    """The env factory and the validation tasks: the caller's, or a mixture's own."""
+    if not isinstance(tasks, EnvMixture):
+        if env_factory is None:
+            raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
+        return env_factory, list(val_tasks or [])
+    if env_factory is not None or val_tasks is not None:
+        raise ValueError(
+            "an EnvMixture brings its own env factories and validation tasks: leave "
+            "env_factory and val_tasks out (each MixtureEntry has val_tasks)"
+        )
+    return tasks.env_factory, tasks.val_tasks
+
+
 def _checked(
     config: GRPOConfig,
-    tasks: Sequence[Task],
+    tasks: Sequence[Task] | EnvMixture,
     env_factory: EnvFactory,
-    val_tasks: Sequence[Task] | None,
+    val_tasks: Sequence[Task],
 ) -> tuple[GRPOConfig, RunSettings]:
     """Every check that needs no weights; the config with its run name fixed, and its
     settings per layer."""
-    check_episode_inputs(tasks, env_factory, purpose="train", val_tasks=val_tasks or ())
+    train_tasks = tasks.tasks if isinstance(tasks, EnvMixture) else tasks
+    check_episode_inputs(train_tasks, env_factory, purpose="train", val_tasks=val_tasks)
     info = resolve_model(config.model, codec=config.codec)
     check_model_can_sample(info, config.max_model_length)
+    require_weights(info)  # first: on a machine without them, nothing else is worth saying
     config = config.with_resolved_run_name()
     settings = RunSettings.from_config(config, info)  # checks the codec options too
-    require_weights(info)
     require_engine_support(info, settings.service.generation_engine)
     check_service_spec(settings.service)
     return config, settings
@@ -93,7 +116,7 @@ def _checked(
 async def _train(
     config: GRPOConfig,
     settings: RunSettings,
-    tasks: Sequence[Task],
+    tasks: Sequence[Task] | EnvMixture,
     env_factory: EnvFactory,
     val_tasks: Sequence[Task],
 ) -> RunDirectory:

@@ -286,7 +286,8 @@ def check_codec_options(info: ModelInfo, options: Mapping[str, object]) -> dict[
     allowed = dict(codec_class.options)
     if info.codec == "template":
         allowed = _template_options(info)
-    allowed["control_tokens_in_content"] = (False, True)  # every codec (Codec's own)
+    if "control_tokens_in_content" in chosen:  # every codec has it (the Codec base's own)
+        allowed = {**allowed, "control_tokens_in_content": (False, True)}
     for name, value in chosen.items():
         if name not in allowed:
             has = ", ".join(sorted(allowed)) or "none"

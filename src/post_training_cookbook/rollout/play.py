@@ -2,7 +2,8 @@
 
 How an episode ends (``Episode.truncation``):
 - ``None``: the env returned ``terminated=True``;
-- ``ENV``: the env returned ``truncated=True`` (or raised, under ``env_errors="truncate"``);
+- ``ENV``: the env returned ``truncated=True`` (or raised, under ``env_errors="truncate"``, or
+  under ``"retry"`` on every attempt);
 - ``MAX_TURNS``: ``max_turns`` assistant turns passed without the env ending the episode;
 - ``CONTEXT_OVERFLOW``: the next turn could not fit ``max_model_length`` (a turn cut short by
   the context budget, or tool results that would not fit);
@@ -65,15 +66,14 @@ class EpisodesInFlight:
             await asyncio.wait(others, timeout=timeout_s)
 
 
-@dataclass(frozen=True)
-class EpisodeRunner:
-    """Everything needed to play an episode, fixed once per run."""
+class BuildsEnvs:
+    """A fresh env per episode, and the guard that one instance never serves two episodes in
+    flight; shared by the runners of token episodes and of hosted models' chat episodes."""
 
     env_factory: Callable[[Task], Env]
-    sampler: Sampler
-    codec: Codec
     limits: EpisodeLimits
-    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
+    in_flight: EpisodesInFlight
+    """The episodes in flight and their envs (one instance must not serve two episodes)."""
 
     def build_env(self, task: Task) -> Env:
         """A fresh env for ``task``; ``EnvFault`` when the factory fails, ``ValueError`` when
@@ -99,6 +99,17 @@ class EpisodeRunner:
 
     def release_env(self, env: Env) -> None:
         self.in_flight.env_ids.discard(id(env))
+
+
+@dataclass(frozen=True)
+class EpisodeRunner(BuildsEnvs):
+    """Everything needed to play an episode, fixed once per run."""
+
+    env_factory: Callable[[Task], Env]
+    sampler: Sampler
+    codec: Codec
+    limits: EpisodeLimits
+    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
 
 
 async def play_group(
@@ -144,24 +155,90 @@ async def run_episode(
 
     ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed).
     Whatever goes wrong with the env (``EnvFault``) gets the env error policy: under
-    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run."""
-    episode = Episode(task, [], [], [], [])
-    env: Env | None = None
+    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run;
+    under ``"retry"`` the episode is played again from the start (``with_retries``).
+    An env with a ``drive_episode`` method (the external-agent adapter, ``agents/``) plays
+    the episode itself, with the runner's sampler, codec and limits."""
+
+    async def play(episode: Episode, env: Env, params: SamplingParams, seed: int | None) -> None:
+        drive = getattr(env, "drive_episode", None)
+        if callable(drive):
+            await drive(episode, runner, params, seed)
+        else:
+            await _play(episode, env, runner, params, seed)
+
+    return await with_fresh_env(task, runner, play, params, seed)
+
+
+PlayOnce = Callable[[Episode, Env, SamplingParams, "int | None"], Awaitable[None]]
+"""One driver's try at an episode on the env it is given, with the params and seed of the
+try: token episodes (``_play``), chat episodes (``rollout/chat.py``), agents."""
+
+
+async def with_fresh_env(
+    task: Task, envs: BuildsEnvs, play: PlayOnce, params: SamplingParams, seed: int | None
+) -> Episode:
+    """The frame every episode driver shares: a fresh env, the env error policy applied to
+    whatever ``play`` raises as ``EnvFault``, and ``close()`` on every path; under
+    ``env_errors="retry"``, a failed episode played again on another fresh env."""
     this_task = asyncio.current_task()
     if this_task is not None:
-        runner.in_flight.tasks.add(this_task)
+        envs.in_flight.tasks.add(this_task)
     try:
-        env = runner.build_env(task)
-        await _play(episode, env, runner, params, seed)
-    except EnvFault as fault:
-        _env_failed(episode, env, fault, runner.limits)
+        attempt = functools.partial(_attempt, task, envs, play)
+        return await with_retries(envs.limits, params, seed, attempt)
     finally:
-        try:
-            if env is not None:
-                runner.release_env(env)
-                await _close(episode, env, runner.limits)
-        finally:
-            runner.in_flight.tasks.discard(this_task)
+        envs.in_flight.tasks.discard(this_task)
+
+
+async def with_retries(
+    limits: EpisodeLimits,
+    params: SamplingParams,
+    seed: int | None,
+    play_once: Callable[[SamplingParams, int | None], Awaitable[Episode]],
+) -> Episode:
+    """``play_once`` until an episode ends without an env error, at most ``limits.retries``
+    times more (none unless ``env_errors="retry"``); the last one stands, with the errors of
+    the attempts before it. Each attempt samples with seeds of its own, so a failure that
+    the sampled text provoked need not repeat; a failed attempt's episode is dropped whole,
+    so the group keeps as many real episodes as it was meant to have."""
+    retried: list[str] = []
+    while True:
+        attempt_params, attempt_seed = _attempt_seeds(params, seed, len(retried))
+        episode = await play_once(attempt_params, attempt_seed)
+        if episode.env_error is None or len(retried) >= limits.retries:
+            episode.retried_env_errors = retried
+            return episode
+        retried.append(episode.env_error)
+
+
+def _attempt_seeds(
+    params: SamplingParams, seed: int | None, attempt: int
+) -> tuple[SamplingParams, int | None]:
+    if attempt == 0:
+        return params, seed
+    if seed is not None:
+        return params, derive_seed(seed, "retry", attempt)
+    if params.seed is not None:
+        return replace(params, seed=derive_seed(params.seed, "retry", attempt)), None
+    return params, None
+
+
+async def _attempt(
+    task: Task, envs: BuildsEnvs, play: PlayOnce, params: SamplingParams, seed: int | None
+) -> Episode:
+    """One try at the episode, on a fresh env; the env error policy applied to its faults."""
+    episode = Episode(task, [], [], [], [])
+    env: Env | None = None
+    try:
+        env = envs.build_env(task)
+        await play(episode, env, params, seed)
+    except EnvFault as fault:
+        _env_failed(episode, env, fault, envs.limits)
+    finally:
+        if env is not None:
+            envs.release_env(env)
+            await _close(episode, env, envs.limits)
     return episode
 
 
@@ -211,7 +288,7 @@ async def _play(
         returned = checked_messages(result.messages, "StepResult.messages")
         conversation.append(message)
         added = new_messages(conversation, returned)
-        _check_env_history(env_property(env, "messages"), returned)
+        check_env_history(env_property(env, "messages"), returned)
         episode.messages = list(returned)
         episode.reward = float(result.reward)
         episode.metrics = {key: float(value) for key, value in result.metrics.items()}
@@ -236,7 +313,7 @@ def derive_seed(*parts: int | str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _check_env_history(history: Any, returned: list[Message]) -> None:
+def check_env_history(history: Any, returned: list[Message]) -> None:
     """``env.messages`` must tell the same conversation as the ``StepResult`` (the dump and
     the training tokens come from the latter)."""
     history = checked_messages(history, "env.messages")
@@ -275,7 +352,8 @@ def _env_failed(episode: Episode, env: Env | None, fault: EnvFault, limits: Epis
 
 async def _close(episode: Episode, env: Env, limits: EpisodeLimits) -> None:
     """``env.close()``, once per episode; a failure gets the env error policy too (under
-    ``"truncate"`` it is recorded, and counted, as the episode's ``close_error``)."""
+    ``"truncate"`` and ``"retry"`` it is recorded, and counted, as the episode's
+    ``close_error``: the episode itself stands, and is not played again)."""
     try:
         await call_env(env.close, "close", limits.env_step_timeout_s)
     except EnvFault as fault:

@@ -3,6 +3,7 @@ episodes.jsonl both write, so that one viewer reads both."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from post_training_cookbook.rollout.types import Episode
@@ -29,9 +30,12 @@ def episode_record(episode: Episode) -> dict[str, Any]:
         "metrics": episode.metrics,
         "env_error": episode.env_error,
         "close_error": episode.close_error,
+        "retried_env_errors": episode.retried_env_errors,
         "token_ids": episode.tokens,
         "mask": [int(bit) for bit in episode.mask],
         "versions": episode.versions,
+        "segment_starts": episode.segment_starts,
+        "endpoint_usage": asdict(episode.endpoint_usage) if episode.endpoint_usage else None,
     }
 
 

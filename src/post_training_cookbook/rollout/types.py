@@ -3,12 +3,18 @@
 Token-in-token-out: an ``Episode``'s token list only grows. Sampled tokens are kept exactly as
 sampled (mask 1, with their logprobs and policy versions); everything else is forced (mask 0).
 
+An episode is one token sequence, except an external agent's (``agents/``) whose history broke
+between two calls: it holds several segments one after the other (``segment_starts``), each a
+sequence of its own, trained as its own sample. A hosted model's episode (``rollout/chat.py``)
+holds no tokens at all: the endpoint's own counts are in ``endpoint_usage``.
+
 This module imports neither torch nor transformers, so that a config can name its policies.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
 
@@ -26,9 +32,12 @@ class TruncationCause(enum.Enum):
     PARSE_FAILURE = "parse_failure"
 
 
-EnvErrorPolicy = Literal["raise", "truncate"]
+EnvErrorPolicy = Literal["raise", "truncate", "retry"]
 """What an env error (an env call that raised or timed out) does: ``"raise"`` stops the run,
-naming the task and the turn; ``"truncate"`` ends the episode as ``ENV`` and counts it."""
+naming the task and the turn; ``"truncate"`` ends the episode as ``ENV`` and counts it;
+``"retry"`` plays the episode again from the start with a fresh env (and other sampling
+seeds), up to ``env_retry_attempts`` times, then ends it as ``"truncate"`` does. Each retry
+is counted (``env_retries``)."""
 ENV_ERROR_POLICIES: tuple[str, ...] = get_args(EnvErrorPolicy)
 
 
@@ -43,6 +52,21 @@ class EpisodeLimits:
     env_step_timeout_s: float | None = 60.0
     """A ``reset``/``step``/``close`` that takes longer is an env error (None = no limit)."""
     env_errors: EnvErrorPolicy = "raise"
+    env_retry_attempts: int = 2
+    """Under ``env_errors="retry"``: how many times a failed episode is played again."""
+
+    def __post_init__(self) -> None:
+        if self.env_errors not in ENV_ERROR_POLICIES:
+            raise ValueError(
+                f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
+            )
+        if self.env_retry_attempts < 1:
+            raise ValueError(f"env_retry_attempts must be >= 1, got {self.env_retry_attempts}")
+
+    @property
+    def retries(self) -> int:
+        """How many times a failed episode may be played again (0 unless retrying)."""
+        return self.env_retry_attempts if self.env_errors == "retry" else 0
 
 
 class EnvStepError(RuntimeError):
@@ -55,6 +79,17 @@ class Sampler(Protocol):
     async def sample(
         self, prompt_tokens: list[int], n: int, params: SamplingParams
     ) -> list[SampledSequence]: ...
+
+
+@dataclass(frozen=True)
+class EndpointUsage:
+    """Token counts a hosted endpoint reported for an episode, in its own tokenizer's tokens:
+    they do not compare with ours."""
+
+    context_tokens: int
+    """The last turn's prompt plus completion: how long the conversation grew."""
+    completion_tokens: int
+    """Every turn's completion, summed."""
 
 
 @dataclass
@@ -76,7 +111,19 @@ class Episode:
     length_capped_turns: int = 0
     """Turns cut at ``max_tokens_per_turn`` (not counting a context-budget cut)."""
     close_error: str | None = None
-    """``env.close()`` failed (under ``env_errors="truncate"``); the episode itself stands."""
+    """``env.close()`` failed (under ``env_errors="truncate"`` or ``"retry"``); the episode
+    itself stands."""
+    retried_env_errors: list[str] = field(default_factory=list)
+    """Under ``env_errors="retry"``: the env error of each earlier attempt, played again."""
+    segment_starts: list[int] = field(default_factory=lambda: [0])
+    """Where each token sequence of the episode starts in ``tokens``: ``[0]`` (one sequence)
+    unless an external agent rewrote its history between calls (``agents/``)."""
+    endpoint_usage: EndpointUsage | None = None
+    """A hosted model's own token counts; its episode holds no tokens of ours."""
+
+    @property
+    def env_retries(self) -> int:
+        return len(self.retried_env_errors)
 
     @property
     def terminated(self) -> bool:
@@ -90,6 +137,16 @@ class Episode:
     @property
     def num_sampled_tokens(self) -> int:
         return int(sum(self.mask))
+
+    def segments(self) -> list[slice]:
+        """The slices of ``tokens`` (and of the per-token lists) that are one sequence each."""
+        bounds = [*self.segment_starts, len(self.tokens)]
+        return [slice(start, end) for start, end in itertools.pairwise(bounds) if end > start]
+
+    @property
+    def context_tokens(self) -> int:
+        """The longest sequence the episode put in the model's context."""
+        return max((piece.stop - piece.start for piece in self.segments()), default=0)
 
     def add_forced(self, tokens: list[int]) -> None:
         self.tokens += tokens

@@ -6,6 +6,8 @@ Like gymnasium's env checker, run it once on your env before you train::
     print(report)
     report.raise_if_failed()
 
+A mixture is checked env by env, each on its own tasks: ``check_env(mixture)``.
+
 Each scripted episode runs on a fresh env from ``env_factory(task)``: a right and a wrong final
 answer, a valid tool call, an unknown tool, malformed arguments, several calls in one message,
 many turns of tool calls, and a close right after reset. Every reply is checked against the

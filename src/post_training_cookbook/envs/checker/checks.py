@@ -7,9 +7,6 @@ import numbers
 from collections import Counter
 from typing import Any
 
-from jsonschema.exceptions import SchemaError
-from jsonschema.validators import validator_for
-
 from post_training_cookbook.envs.base import Env, StepResult
 from post_training_cookbook.envs.checker.report import _plural, _Recorder
 from post_training_cookbook.types import Message
@@ -221,6 +218,10 @@ def _tool_spec_problems(spec: Any) -> list[str]:
 
 
 def _schema_problems(schema: dict[str, Any]) -> list[str]:
+    # imported here: the envs package stays importable where only training runs (a GPU image)
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
     try:
         validator_for(schema).check_schema(schema)
     except SchemaError as exc:

@@ -19,6 +19,7 @@ from post_training_cookbook.envs.checker.checks import (
 )
 from post_training_cookbook.envs.checker.report import EnvCheckReport, _Findings, _Recorder
 from post_training_cookbook.envs.checker.scripts import _SCRIPTS, _ScriptContext
+from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.rollout.guards import with_longest_stretch
 from post_training_cookbook.sync import run_sync
 from post_training_cookbook.types import Message
@@ -29,8 +30,8 @@ step timeout): the training loop's other episodes wait for it."""
 
 
 def check_env(
-    env_factory: Callable[[Task], Env],
-    tasks: Sequence[Task],
+    env_factory: Callable[[Task], Env] | EnvMixture,
+    tasks: Sequence[Task] | None = None,
     *,
     num_tasks: int = 3,
     max_turns: int = 12,
@@ -38,8 +39,10 @@ def check_env(
 ) -> EnvCheckReport:
     """Run scripted episodes on the first ``num_tasks`` tasks and report what breaks the contract.
 
-    ``max_turns`` bounds the longest script; ``step_timeout_s`` bounds each ``reset``, ``step``
-    and ``close``. Callable from sync code, including inside a running event loop (a notebook).
+    ``env_factory`` may be an ``EnvMixture`` (without ``tasks``): each of its envs is checked
+    on the first ``num_tasks`` of its own tasks, and each line names the env. ``max_turns``
+    bounds the longest script; ``step_timeout_s`` bounds each ``reset``, ``step`` and
+    ``close``. Callable from sync code, including inside a running event loop (a notebook).
     """
     coroutine = acheck_env(
         env_factory,
@@ -52,14 +55,18 @@ def check_env(
 
 
 async def acheck_env(
-    env_factory: Callable[[Task], Env],
-    tasks: Sequence[Task],
+    env_factory: Callable[[Task], Env] | EnvMixture,
+    tasks: Sequence[Task] | None = None,
     *,
     num_tasks: int = 3,
     max_turns: int = 12,
     step_timeout_s: float = 10.0,
 ) -> EnvCheckReport:
     """``check_env`` for async callers."""
+    if isinstance(env_factory, EnvMixture):
+        if tasks is not None:
+            raise ValueError("check_env(mixture) checks each env on its own tasks: drop tasks")
+        return await _check_mixture(env_factory, num_tasks, max_turns, step_timeout_s)
     if not tasks:
         raise ValueError("check_env needs at least one task")
     if num_tasks < 1 or max_turns < 1 or not step_timeout_s > 0:
@@ -79,6 +86,25 @@ async def acheck_env(
             episode = _Episode(env, task, task_index, script, findings, step_timeout_s)
             await episode.run(build, max_turns)
     return findings.report(len(chosen_tasks), episodes_run)
+
+
+async def _check_mixture(
+    mixture: EnvMixture, num_tasks: int, max_turns: int, step_timeout_s: float
+) -> EnvCheckReport:
+    """Each env of the mixture on its own tasks, in one report whose lines name the env."""
+    merged = EnvCheckReport()
+    for entry in mixture.entries:
+        report = await acheck_env(
+            entry.env_factory,
+            entry.tasks,
+            num_tasks=num_tasks,
+            max_turns=max_turns,
+            step_timeout_s=step_timeout_s,
+        )
+        merged.errors += [f"env {entry.name!r} {line}" for line in report.errors]
+        merged.warnings += [f"env {entry.name!r} {line}" for line in report.warnings]
+        merged.episodes_run += report.episodes_run
+    return merged
 
 
 def _build_env(

@@ -1,22 +1,23 @@
 """``ToolUseGameEnv``: answer questions about a fictional world with three tools.
 
-The reference environment: copy it to start your own. It owns the conversation, runs the
-assistant's tool calls (errors go back to the model as tool messages), and ends the episode
-when the assistant replies without a tool call (graded), when a tool asks to stop (graded on
-that message's content), or, truncated, after ``max_turns`` assistant turns.
+The reference environment, on ``ToolEnv``: the conversation, the dispatch of tool calls (errors
+go back to the model as tool messages) and the endings are ``ToolEnv``'s: the episode ends when
+the assistant replies without a tool call (graded), when a tool asks to stop (graded on that
+message's content), or, truncated, after ``max_turns`` assistant turns. What is the game's own
+is here: its tools, its system prompt, its grading and two metrics.
 """
 
 from __future__ import annotations
 
-from post_training_cookbook.envs.arithmetic import numbers_equal
-from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, tool_to_spec
+from post_training_cookbook.envs.base import Tool
+from post_training_cookbook.envs.rewards import numeric_answer
+from post_training_cookbook.envs.tool_env import ToolEnv
 from post_training_cookbook.envs.tool_use_game.tools import (
     GameCalculatorTool,
     ListFactKeysTool,
     LookupTool,
 )
 from post_training_cookbook.envs.tool_use_game.world import FactWorld, build_world
-from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
 SYSTEM_PROMPT = (
     "Answer questions about a fictional world. Look facts up with the tools and use the "
@@ -35,7 +36,10 @@ def default_world() -> FactWorld:
     return _DEFAULT_WORLD
 
 
-class ToolUseGameEnv(Env):
+class ToolUseGameEnv(ToolEnv):
+    """The game's tools on ``ToolEnv``: graded by ``numeric_answer``, truncated after
+    ``max_turns`` assistant turns; the final step adds ``correct`` and the task's ``level``."""
+
     def __init__(
         self,
         world: FactWorld | None = None,
@@ -43,84 +47,15 @@ class ToolUseGameEnv(Env):
         max_turns: int = DEFAULT_MAX_TURNS,
         extra_tools: list[Tool] | None = None,
     ) -> None:
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         world = world if world is not None else default_world()
         tools: list[Tool] = [ListFactKeysTool(world), LookupTool(world), GameCalculatorTool()]
-        self._tools = {tool.name: tool for tool in [*tools, *(extra_tools or [])]}
-        self._max_turns = max_turns
-        self._messages: list[Message] = []
-        self._task: Task | None = None
-        self._turns = self._tool_calls = self._tool_errors = 0
-
-    async def reset(self, task: Task) -> list[Message]:
-        self._task = task
-        self._turns = self._tool_calls = self._tool_errors = 0
-        self._messages = [
-            Message(role="system", content=SYSTEM_PROMPT),
-            Message(role="user", content=task.prompt),
-        ]
-        return list(self._messages)
-
-    async def step(self, message: Message) -> StepResult:
-        if self._task is None:
-            raise RuntimeError("ToolUseGameEnv.step called before reset")
-        self._messages.append(message)
-        self._turns += 1
-        tool_calls = message.get("tool_calls") or []
-        if not tool_calls:
-            return self._finish(message, truncated=False)
-        should_stop = False
-        for call in tool_calls:
-            should_stop |= await self._run_tool(call)
-        if should_stop:
-            return self._finish(message, truncated=False)
-        if self._turns >= self._max_turns:
-            return self._finish(None, truncated=True)
-        return StepResult(terminated=False, truncated=False, messages=list(self._messages))
-
-    async def _run_tool(self, call: ToolCall) -> bool:
-        """Append the tool's message; True when the tool asked to end the episode."""
-        name = call["function"]["name"]
-        self._tool_calls += 1
-        tool = self._tools.get(name)
-        try:
-            if tool is None:
-                raise ValueError(f"unknown tool '{name}'; available: {', '.join(self._tools)}")
-            result = await tool.execute(call["function"]["arguments"])
-            content, should_stop = result.content, result.should_stop
-        except Exception as exc:
-            self._tool_errors += 1
-            content, should_stop = f"tool_error: {exc}", False
-        self._messages.append(
-            Message(role="tool", content=content, tool_call_id=call["id"], name=name)
-        )
-        return should_stop
-
-    def _finish(self, answer: Message | None, *, truncated: bool) -> StepResult:
-        assert self._task is not None
-        correct = answer is not None and numbers_equal(
-            answer.get("content") or "", self._task.target
-        )
-        metrics = {
-            "correct": float(correct),
-            "num_tool_calls": float(self._tool_calls),
-            "num_tool_errors": float(self._tool_errors),
-            "num_turns": float(self._turns),
-            "level": float(self._task.metadata.get("level", 0)),
-        }
-        return StepResult(
-            terminated=not truncated,
-            truncated=truncated,
-            messages=list(self._messages),
-            reward=1.0 if correct else 0.0,
-            metrics=metrics,
+        super().__init__(
+            [*tools, *(extra_tools or [])],
+            system_prompt=SYSTEM_PROMPT,
+            reward_fn=numeric_answer,
+            max_turns=max_turns,
         )
 
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return [tool_to_spec(tool) for tool in self._tools.values()]
-
-    @property
-    def messages(self) -> list[Message]:
-        return list(self._messages)
+    def episode_metrics(self, reward: float) -> dict[str, float]:
+        level = float(self.task.metadata.get("level", 0))
+        return {"correct": reward, **super().episode_metrics(reward), "level": level}

@@ -1,0 +1,182 @@
+"""Episodes with a model that speaks messages, not tokens: a hosted, OpenAI-compatible endpoint.
+
+The rollout core again (reset → sample → step, until done), with a ``ChatSampler`` in place of
+the codec and the token sampler: the conversation goes out as messages with the env's tool
+specs, the assistant message comes back. Everything around the core is the token rollout's:
+the env guards and contract checks, the env error policy, ``EpisodeLimits`` and the
+``Episode`` record, so that ``episode_metrics`` means the same for both. How the limits and
+the endings read here:
+
+- ``max_turns``, ``max_tokens_per_turn`` (sent as the request's ``max_tokens``; a turn cut
+  there counts in ``length_capped``), env endings and env errors: as in ``play.py``;
+- ``PARSE_FAILURE``: the endpoint answered a tool call whose arguments are not a JSON object
+  (the codecs' rule); the reward is ``failed_parse_reward``;
+- ``CONTEXT_OVERFLOW``: the endpoint refused the prompt as too long, or reported a prompt
+  plus completion past ``max_model_length``. Those are the endpoint's tokens, not ours: the
+  limit holds in its tokenizer's count, and not at all where it reports no usage.
+
+The episode holds no tokens (a hosted model's tokens are not ours to train on or to count);
+``Episode.endpoint_usage`` keeps what the endpoint reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
+
+from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.rollout.guards import (
+    EnvFault,
+    call_env,
+    checked_messages,
+    checked_step,
+    env_property,
+    new_messages,
+)
+from post_training_cookbook.rollout.play import (
+    BuildsEnvs,
+    EpisodesInFlight,
+    check_env_history,
+    derive_seed,
+    with_fresh_env,
+)
+from post_training_cookbook.rollout.types import (
+    EndpointUsage,
+    Episode,
+    EpisodeLimits,
+    Group,
+    TruncationCause,
+)
+from post_training_cookbook.types import Message, ToolSpec
+
+FinishReason = Literal["stop", "length", "context_overflow"]
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One assistant turn from a chat endpoint."""
+
+    message: Message | None
+    """The assistant message; ``None`` when it could not be used (a tool call whose arguments
+    are not a JSON object): a parse failure."""
+    finish_reason: FinishReason
+    """``"length"``: cut at ``max_tokens``; ``"context_overflow"``: the endpoint refused the
+    prompt as too long (then ``message`` is ``None``)."""
+    prompt_tokens: int | None = None
+    """The endpoint's own counts, when it reports them."""
+    completion_tokens: int | None = None
+
+
+class ChatSampler(Protocol):
+    """What a chat episode needs from a model: one assistant message for a conversation."""
+
+    async def chat(
+        self, messages: list[Message], tools: list[ToolSpec], params: SamplingParams
+    ) -> ChatTurn: ...
+
+
+@dataclass(frozen=True)
+class ChatRunner(BuildsEnvs):
+    """Everything needed to play a chat episode, fixed once per evaluation."""
+
+    env_factory: Callable[[Task], Env]
+    sampler: ChatSampler
+    limits: EpisodeLimits
+    in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
+
+
+async def play_chat_group(
+    runner: ChatRunner,
+    task: Task,
+    num_episodes: int,
+    params: SamplingParams,
+    seed: int | None = None,
+) -> Group:
+    """``num_episodes`` chat episodes of ``task``, concurrently (``play_group``'s twin)."""
+
+    def play_episode(index: int) -> Awaitable[Episode]:
+        episode_seed = None if seed is None else derive_seed(seed, index)
+        return run_chat_episode(task, runner, params, episode_seed)
+
+    episodes = await asyncio.gather(*(play_episode(index) for index in range(num_episodes)))
+    return Group(task, list(episodes))
+
+
+async def run_chat_episode(
+    task: Task, runner: ChatRunner, params: SamplingParams, seed: int | None = None
+) -> Episode:
+    """One chat episode of ``task`` with a fresh env; ``close()`` runs however it ends."""
+
+    async def play(episode: Episode, env: Env, params: SamplingParams, seed: int | None) -> None:
+        if callable(getattr(env, "drive_episode", None)):
+            raise EnvFault(
+                f"{type(env).__name__} runs an agent that calls its endpoint itself: a hosted "
+                "model cannot play it here; point the agent at the endpoint instead"
+            )
+        await _play_chat(episode, env, runner, params, seed)
+
+    return await with_fresh_env(task, runner, play, params, seed)
+
+
+async def _play_chat(
+    episode: Episode, env: Env, runner: ChatRunner, params: SamplingParams, seed: int | None
+) -> None:
+    task, limits = episode.task, runner.limits
+
+    def env_call(start: Callable[[], Any], what: str) -> Awaitable[Any]:
+        label = f"env.{what} of task {task.prompt[:80]!r}, turn {episode.num_turns}"
+        return call_env(start, what, limits.env_step_timeout_s, label)
+
+    opening = checked_messages(
+        await env_call(lambda: env.reset(task), "reset"), "env.reset's return"
+    )
+    episode.messages = list(opening)
+    tools = list(env_property(env, "tool_specs") or [])
+    conversation = list(opening)
+    usage = _Usage()
+    while True:
+        if episode.num_turns >= limits.max_turns:
+            episode.truncation = TruncationCause.MAX_TURNS
+            break
+        turn_seed = params.seed if seed is None else derive_seed(seed, episode.num_turns)
+        turn_params = replace(params, max_tokens=limits.max_tokens_per_turn, seed=turn_seed)
+        turn = await runner.sampler.chat(list(conversation), tools, turn_params)
+        episode.num_turns += 1
+        usage.add(turn)
+        if turn.finish_reason == "context_overflow" or usage.last > limits.max_model_length:
+            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+            break
+        episode.length_capped_turns += turn.finish_reason == "length"
+        if turn.message is None:
+            episode.reward = limits.failed_parse_reward
+            episode.truncation = TruncationCause.PARSE_FAILURE
+            break
+        result = checked_step(await env_call(functools.partial(env.step, turn.message), "step"))
+        returned = checked_messages(result.messages, "StepResult.messages")
+        conversation.append(turn.message)
+        added = new_messages(conversation, returned)
+        check_env_history(env_property(env, "messages"), returned)
+        episode.messages = list(returned)
+        episode.reward = float(result.reward)
+        episode.metrics = {key: float(value) for key, value in result.metrics.items()}
+        if result.terminated or result.truncated:
+            episode.truncation = None if result.terminated else TruncationCause.ENV
+            break
+        conversation += added
+    episode.endpoint_usage = EndpointUsage(usage.last, usage.completion)
+
+
+@dataclass
+class _Usage:
+    last: int = 0
+    """The last turn's prompt + completion tokens, as the endpoint counted them."""
+    completion: int = 0
+
+    def add(self, turn: ChatTurn) -> None:
+        if turn.prompt_tokens is not None:
+            self.last = turn.prompt_tokens + (turn.completion_tokens or 0)
+        self.completion += turn.completion_tokens or 0

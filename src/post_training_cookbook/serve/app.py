@@ -1,0 +1,175 @@
+"""The HTTP face of the policy server: routes, the bearer token, and the bounds on requests.
+
+Routes (every answer JSON; errors in the API's format with their status codes):
+
+    POST /v1/chat/completions                     the served model (``serve``)
+    GET  /v1/models                               its name
+    POST /episodes/<id>/v1/chat/completions       one episode of the agent adapter
+    GET  /episodes/<id>/v1/models
+    GET  /health
+
+Bounds: a body over ``max_request_bytes`` is refused with 413 before it is read whole (by its
+Content-Length, else as it streams in); more than ``max_concurrent_requests`` completions in
+flight get 429 ``server_busy`` (the ``openai`` client retries those with backoff). Auth: the
+served model's routes need ``Authorization: Bearer <token>`` when the server has a token
+(it must have one when bound off loopback, see ``server.py``); an episode's routes need that
+episode's own key, so that one agent cannot write into another's episode.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from post_training_cookbook.serve.policy import Endpoint
+from post_training_cookbook.serve.wire import ApiError, decode_json, error_body, parse_chat_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """How much one request, and all of them together, may ask of the server."""
+
+    max_request_bytes: int = 4 * 2**20
+    max_concurrent_requests: int = 64
+    max_n: int = 16
+    """The most choices one request may ask for."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_concurrent_requests", "max_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class Routes:
+    """What the app serves; the server adds and removes episodes while it runs."""
+
+    default: Endpoint | None
+    token: str | None
+    limits: ServerLimits
+    episodes: dict[str, tuple[str, Endpoint]] = field(default_factory=dict)
+    """Episode id → (its key, its endpoint)."""
+    in_flight: int = 0
+
+
+def build_app(routes: Routes) -> Starlette:
+    async def completions(request: Request) -> JSONResponse:
+        return await _answer(request, routes, lambda: _default(routes, request))
+
+    async def episode_completions(request: Request) -> JSONResponse:
+        return await _answer(request, routes, lambda: _episode(routes, request))
+
+    async def models(request: Request) -> JSONResponse:
+        try:
+            endpoint = _default(routes, request)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return _models(endpoint)
+
+    async def episode_models(request: Request) -> JSONResponse:
+        try:
+            endpoint = _episode(routes, request)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        return _models(endpoint)
+
+    async def health(request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        message = exc.detail if isinstance(exc, HTTPException) else "internal server error"
+        return JSONResponse(error_body(str(message)), status_code=status)
+
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/episodes/{episode}/v1/chat/completions", episode_completions, methods=["POST"]),
+            Route("/episodes/{episode}/v1/models", episode_models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error, Exception: http_error},
+    )
+
+
+async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
+    try:
+        endpoint: Endpoint = find()
+        if routes.in_flight >= routes.limits.max_concurrent_requests:
+            raise ApiError(
+                429,
+                f"the server has {routes.in_flight} requests in flight (its limit): retry later",
+                kind="server_busy",
+                code="server_busy",
+            )
+        routes.in_flight += 1
+        try:
+            body = decode_json(await _read_body(request, routes.limits.max_request_bytes))
+            chat = parse_chat_request(body, max_n=routes.limits.max_n)
+            return JSONResponse(await endpoint.complete(chat))
+        finally:
+            routes.in_flight -= 1
+    except ApiError as error:
+        return JSONResponse(error.body(), status_code=error.status)
+    except Exception:
+        log.exception("chat completion failed")
+        return JSONResponse(error_body("internal server error", kind="server_error"), 500)
+
+
+def _default(routes: Routes, request: Request) -> Endpoint:
+    if routes.default is None:
+        raise ApiError(404, "this server serves episodes only: use the base URL it gave you")
+    if routes.token is not None:
+        _check_key(request, routes.token)
+    return routes.default
+
+
+def _episode(routes: Routes, request: Request) -> Endpoint:
+    found = routes.episodes.get(request.path_params["episode"])
+    if found is None:
+        raise ApiError(404, "no such episode (it ended, or never began)", code="episode_not_found")
+    key, endpoint = found
+    _check_key(request, key)
+    return endpoint
+
+
+def _check_key(request: Request, expected: str) -> None:
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise ApiError(
+            401,
+            "missing or wrong bearer token (Authorization: Bearer <token>)",
+            code="invalid_api_key",
+        )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    def too_large() -> ApiError:
+        return ApiError(413, f"the request body is over {limit} bytes", code="request_too_large")
+
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _models(endpoint: Endpoint) -> JSONResponse:
+    model = {"id": endpoint.model.name, "object": "model", "created": 0, "owned_by": "local"}
+    return JSONResponse({"object": "list", "data": [model]})
