@@ -277,7 +277,6 @@ def non_default_config() -> GRPOConfig:
         preserve_thinking=True,
         control_tokens_in_content=True,
         reasoning_effort="low",
-        control_tokens_in_content=True,
         lora_rank=8,
         lora_alpha=16,
         lora_dropout=0.05,

@@ -4,8 +4,8 @@ LoRA (and with gradient checkpointing and the KL reference; within bf16's roundi
 weights); the weights reach torch replicas by
 broadcast (and through the object store); a sharded checkpoint resumes exactly at two
 workers and in one process, and a damaged one is refused before anything changes; a killed
-worker is named, not waited on; ``train_multi_turn`` trains with two workers, lockstep and
-async.
+worker is named, not waited on. (``train_multi_turn`` with two workers:
+``test_scale_sharded_loop.py``, on a Ray of its own.)
 
 The one-process baseline is a plain ``Trainer`` built here from the same settings and seed.
 Tolerances are fp32's: the sharded step sums the same terms in another order (each rank's
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
+import logging
 import os
 import shutil
 import signal
@@ -38,12 +38,9 @@ from test_scale_common import FP32_BOUND, max_abs_diff, scale
 from transformers import AutoModelForCausalLM
 
 from post_training_cookbook.engine.types import SamplingParams
-from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
 from post_training_cookbook.files import BadFileError
-from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.grpo.runs import RunDirectory
-from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models.catalog import resolve_model
+from post_training_cookbook.service import ray_startup
 from post_training_cookbook.service.ray import RayModelService, WorkerDiedError
 from post_training_cookbook.service.sharded import TrainerGroup
 from post_training_cookbook.service.trainer import Trainer
@@ -334,38 +331,22 @@ def test_bf16_weights_with_fp32_masters_shard_too_within_bf16_rounding(
     assert differ < 0.01 and cosine > 0.999
 
 
-# ---------------------------------------------------------------- the GRPO loop
+def test_a_trainer_ray_cannot_place_is_reported_while_it_waits_then_refused(
+    scale_model: Path, ray_cluster: None, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """Two ranks of 100 CPUs each on an 8-CPU Ray: a warning while it waits, then the
+    startup timeout's error naming what Ray had free, with nothing left reserved."""
+    import ray
 
-
-@pytest.mark.parametrize("async_mode", [False, True], ids=["lockstep-lora", "async-pipeline"])
-def test_train_multi_turn_trains_three_steps_with_two_trainer_workers(
-    scale_model: Path, ray_cluster: None, tmp_path: Path, async_mode: bool
-) -> None:
-    """Lockstep trains LoRA, its adapter alone gathered and sent to a vLLM replica (through
-    the object store); async trains every weight, broadcast to two vLLM replicas in PIPELINE
-    mode. The checkpoints are sharded, committed by the loop as any other (``complete.json``
-    lists DCP's files)."""
-    extra: dict[str, Any] = {"use_lora": True, "lora_rank": 8, "generation_engine": "vllm"}
-    if async_mode:
-        extra = {"use_lora": False, "generation_engine": "vllm", "max_steps_off_policy": 1,
-                 "weight_sync_type": "pipeline", "num_generator_replicas": 2}  # fmt: skip
-    config = GRPOConfig(
-        model=str(scale_model), codec="hermes", backend="ray", num_trainer_workers=2,
-        collective_timeout_s=120.0, batch_size=2, episodes_per_task=4, num_steps=3,
-        max_turns=3, max_model_length=1024, max_tokens_per_turn=48, failed_parse_reward=-1.0,
-        max_sampling_attempts=4, learning_rate=1e-3, dtype="float32", wandb_project=None,
-        validation_interval=0, checkpoint_interval=2, runs_dir=str(tmp_path), run_name="sharded",
-        **extra,
-    )  # fmt: skip
-    run = train_multi_turn(config, list(TOOL_USE_GAME_TRAIN_TASKS), lambda t: ToolUseGameEnv())
-    lines = [json.loads(line) for line in run.metrics_path.read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 1, 2]
-    print("policy versions:", [line["policy/version"] for line in lines])
-    assert lines[-1]["policy/version"] >= 1  # it trained
-    directory = RunDirectory(run.path)
-    for folder in directory.checkpoints():  # step 3, then step 2
-        files = json.loads((folder / "complete.json").read_text())["files"]
-        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "trainer_state.json"} <= set(files)
-        directory.read_checkpoint(folder)  # what a resume checks first
-    assert [f.name for f in directory.checkpoints()] == ["step_000003", "step_000002"]
-    AutoModelForCausalLM.from_pretrained(run.final_model_dir)
+    monkeypatch.setattr(ray_startup, "PLACEMENT_NOTICE_S", 1.0)
+    free_before = ray.available_resources().get("CPU")
+    refused = pytest.raises(RuntimeError, match=r"not placed within 3\.5s.*free resources")
+    with caplog.at_level(logging.WARNING, logger=ray_startup.__name__), refused:
+        create(scale_model, False, num_cpus_per_actor=100.0, startup_timeout_s=3.5)
+    assert "has not placed 2 trainer ranks ({'CPU': 100.0} each) after 1s" in caplog.text
+    assert "after 3s" in caplog.text
+    deadline = time.monotonic() + 30  # Ray's resource view follows the removal shortly
+    while ray.available_resources().get("CPU") != free_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == free_before  # the group was removed

@@ -10,12 +10,14 @@
   free port and serves the group's store there; rank 0 and every generator join it.
 
 Anything that fails or does not finish within ``startup_timeout_s`` kills what was started
-and raises one error that says what Ray had free.
+and raises one error that says what Ray had free. A placement group Ray cannot place yet
+(its CPUs or GPUs held by other work) logs a warning every ``PLACEMENT_NOTICE_S`` meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 from collections.abc import Awaitable
@@ -25,6 +27,11 @@ from typing import Any
 from post_training_cookbook.service.ray_actors import EngineSpec, GeneratorWorker, TrainerWorker
 from post_training_cookbook.service.ray_env import connect_ray, init_local_ray
 from post_training_cookbook.service.types import GenerationEngine, TrainerSettings, WeightTransport
+
+log = logging.getLogger(__name__)
+
+PLACEMENT_NOTICE_S = 30.0
+"""How often a placement group that is not placed yet says so."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,7 @@ async def _start(
         if layout.num_gpus_per_trainer > 0:
             bundle["GPU"] = layout.num_gpus_per_trainer
         actors.placement = placement_group([bundle] * ranks, strategy="PACK")
-        await actors.placement.ready()
+        await _placed(actors.placement, f"{ranks} trainer ranks ({bundle} each)")
         placed = [
             {"scheduling_strategy": PlacementGroupSchedulingStrategy(actors.placement, rank)}
             for rank in range(ranks)
@@ -171,6 +178,24 @@ async def _start(
                 for i, g in enumerate(actors.generators)
             ),
         )
+
+
+async def _placed(placement: Any, what: str) -> None:
+    """Wait for Ray to place ``placement``, saying so while it cannot."""
+    import ray
+
+    ready = asyncio.wrap_future(placement.ready().future())
+    waited = 0.0
+    while True:
+        done, _ = await asyncio.wait({ready}, timeout=PLACEMENT_NOTICE_S)
+        if done:
+            ready.result()
+            return
+        waited += PLACEMENT_NOTICE_S
+        log.warning(
+            "Ray has not placed %s after %.0fs; free now: %s",
+            what, waited, ray.available_resources(),
+        )  # fmt: skip
 
 
 def stop_actors(actors: Actors) -> None:
