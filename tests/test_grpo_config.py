@@ -161,6 +161,20 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"device": "gpu"}, ["device", "'cuda:N'", "'gpu'"]),
     ({"device": "cuda", "backend": "ray"}, ['device applies to backend="local"']),
     ({"num_gpus_per_trainer": 1.0}, ['num_gpus_per_trainer applies to backend="ray"']),
+    ({"num_trainer_workers": 2}, ['num_trainer_workers=2 needs backend="ray"']),
+    ({"num_trainer_workers": 0, "backend": "ray"}, ["num_trainer_workers must be >= 1"]),
+    ({"collective_timeout_s": 0.0}, ["collective_timeout_s must be > 0"]),
+    ({"weight_transport": "broadcast"}, ["weight_transport='broadcast' applies to backend"]),
+    ({"weight_transport": "nccl", "backend": "ray"}, ["weight_transport", "'broadcast'"]),
+    (
+        {
+            "backend": "ray",
+            "generation_engine": "vllm",
+            "num_gpus_per_generator": 1.0,
+            "weight_transport": "broadcast",
+        },
+        ["reaches vLLM engines on CPU only"],
+    ),
     (
         {"generation_engine": "torch", "vllm_max_num_seqs": 8},
         ['vllm_max_num_seqs applies to generation_engine="vllm"'],
@@ -296,6 +310,9 @@ def non_default_config() -> GRPOConfig:
         weight_sync_timeout_s=30.0,
         num_gpus_per_trainer=1.0,
         num_gpus_per_generator=2.0,
+        num_trainer_workers=4,
+        collective_timeout_s=120.0,
+        weight_transport="object_store",
         vllm_tensor_parallel_size=2,
         vllm_gpu_memory_utilization=0.8,
         vllm_max_num_seqs=64,
@@ -323,7 +340,7 @@ def local_variant(config: GRPOConfig) -> GRPOConfig:
     return dataclasses.replace(
         config, backend="local", ray_address=None, num_gpus_per_trainer=0.0,
         num_gpus_per_generator=0.0, vllm_tensor_parallel_size=1, num_generator_replicas=1,
-        **LOCAL_ONLY,
+        num_trainer_workers=1, weight_transport="auto", **LOCAL_ONLY,
     )  # fmt: skip
 
 

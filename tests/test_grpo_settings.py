@@ -116,6 +116,17 @@ def test_the_service_spec_carries_typed_trainer_settings_and_placement() -> None
     assert not settings_of().service.overlapped
 
 
+def test_the_service_spec_carries_the_sharded_trainer_and_its_weight_transport() -> None:
+    spec = settings_of(
+        backend="ray", num_trainer_workers=2, collective_timeout_s=30.0,
+        weight_transport="broadcast", generation_engine="torch",
+    ).service  # fmt: skip
+    assert (spec.num_trainer_workers, spec.collective_timeout_s) == (2, 30.0)
+    assert spec.weight_transport == "broadcast"
+    defaults = settings_of().service
+    assert (defaults.num_trainer_workers, defaults.weight_transport) == (1, "auto")
+
+
 def test_a_lockstep_config_has_no_async_settings_and_an_async_one_has_its_shape() -> None:
     assert settings_of().async_ is None
     shape = settings_of(batch_size=4, max_steps_off_policy=1, groups_in_flight=8).async_

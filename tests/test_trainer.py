@@ -100,7 +100,7 @@ def test_forward_matches_the_models_own_logits_on_trained_positions() -> None:
     trainer = make_trainer(False, copy.deepcopy(model), micro_batch_tokens=40)
     samples = make_samples()
     logprobs = trainer.forward(samples)
-    assert trainer._route == "head"
+    assert trainer._scorer.route == "head"
     for sample, row in zip(samples, logprobs, strict=True):
         assert len(row) == len(sample.tokens) and row[0] == 0.0
         assert row == pytest.approx(reference_logprobs(model.eval(), sample), abs=1e-5)
@@ -120,7 +120,7 @@ class ScaledLogitsQwen2(transformers.Qwen2ForCausalLM):
 def test_models_that_post_process_logits_take_their_own_forward_on_the_hidden_states() -> None:
     model = ScaledLogitsQwen2(tiny_model().config)
     trainer = make_trainer(False, copy.deepcopy(model))
-    assert trainer._route == "forward_on_hidden"
+    assert trainer._scorer.route == "forward_on_hidden"
     sample = make_samples(1)[0]
     assert trainer.forward([sample])[0] == pytest.approx(
         reference_logprobs(model.eval(), sample), abs=1e-5

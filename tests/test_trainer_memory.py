@@ -121,7 +121,7 @@ def test_chunked_logprobs_give_the_whole_micro_batch_loss_metrics_and_gradients(
             False, copy.deepcopy(model), reference_model=True, device=device,
             logprob_chunk_tokens=chunk, micro_batch_tokens=200,
         )  # fmt: skip
-        assert trainer._route == route
+        assert trainer._scorer.route == route
         logprobs.append(trainer.forward(samples))
         results.append(step_results(trainer, samples))
     assert_same_step(*results, atol=1e-6, rtol=1e-5)
@@ -264,7 +264,7 @@ def test_checkpointing_is_off_in_forward_and_for_the_reference() -> None:
     plain = make_trainer(False)
     for row, plain_row in zip(trainer.forward(samples), plain.forward(samples), strict=True):
         assert row == pytest.approx(plain_row, abs=1e-6)
-    assert trainer._reference is not None and not trainer._reference.is_gradient_checkpointing
+    assert trainer._reference is not None and not trainer._reference.model.is_gradient_checkpointing
 
 
 # ------------------------------------------------------------------ precision

@@ -64,7 +64,9 @@ from post_training_cookbook.grpo.validation import (
     raise_if_any,
     resume_needs_run_name,
     setting,
+    sharded_trainer_on_ray,
     tensor_parallel_fits,
+    transport_on_ray,
     type_problem,
     unknown_key,
     vllm_only,
@@ -77,6 +79,7 @@ from post_training_cookbook.service.types import (
     LossType,
     Precision,
     WeightSyncType,
+    WeightTransport,
 )
 
 if TYPE_CHECKING:
@@ -260,6 +263,18 @@ class GRPOConfig:
     """Ray: GPUs reserved for the trainer actor (0: it computes on the CPU)."""
     num_gpus_per_generator: float = setting(0.0, non_negative, gpus_on_ray)
     """Ray: GPUs reserved for each generator actor (fractions share one GPU)."""
+    num_trainer_workers: int = setting(
+        1, at_least(1), at_most(4096, "one process a GPU"), sharded_trainer_on_ray
+    )
+    """Trainer processes (Ray; ``num_gpus_per_trainer`` each). More than 1 shards the model
+    across them with FSDP2 and splits each batch between them (docs/scale_out.md)."""
+    collective_timeout_s: float = setting(600.0, positive)
+    """A sharded trainer's collective (its start included) that waits longer for a worker
+    raises, instead of hanging on one that is gone."""
+    weight_transport: WeightTransport = setting("auto", transport_on_ray)
+    """Ray: how full weights reach the generators. ``"broadcast"``: ``torch.distributed``
+    from trainer rank 0 (not to vLLM on GPUs), ``"object_store"``: Ray's object store,
+    ``"auto"``: broadcast from a sharded trainer, else the object store."""
 
     # vLLM (generation_engine="vllm"), passed to vllm.EngineArgs
     vllm_tensor_parallel_size: int = setting(1, at_least(1), vllm_only, tensor_parallel_fits)

@@ -192,6 +192,9 @@ class RunSettings:
                 device=config.device,
                 num_gpus_per_trainer=config.num_gpus_per_trainer,
                 num_gpus_per_generator=config.num_gpus_per_generator,
+                num_trainer_workers=config.num_trainer_workers,
+                collective_timeout_s=config.collective_timeout_s,
+                weight_transport=config.weight_transport,
                 vllm=VLLMSettings(
                     tensor_parallel_size=config.vllm_tensor_parallel_size,
                     gpu_memory_utilization=config.vllm_gpu_memory_utilization,

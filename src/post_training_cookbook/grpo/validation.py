@@ -193,6 +193,32 @@ def gpus_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
     return f'{name} applies to backend="ray"; with backend="local" set device instead'
 
 
+def sharded_trainer_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value == 1 or on_ray(config):
+        return None
+    return (
+        f'num_trainer_workers={value} needs backend="ray": a sharded trainer is one process a '
+        'worker, started by Ray; backend="local" trains in this process'
+    )
+
+
+def transport_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value == "auto":
+        return None
+    if not on_ray(config):
+        return f'weight_transport={value!r} applies to backend="ray"'
+    if (
+        value == "broadcast"
+        and config.generation_engine == "vllm"
+        and config.num_gpus_per_generator
+    ):
+        return (
+            "weight_transport='broadcast' reaches vLLM engines on CPU only (vLLM's own "
+            "weight-transfer API for GPUs is not built: docs/scale_out.md); use 'object_store'"
+        )
+    return None
+
+
 def vllm_only(config: GRPOConfig, name: str, value: Any) -> str | None:
     defaults = {"vllm_tensor_parallel_size": 1, "vllm_enforce_eager": True}
     if config.generation_engine in ("vllm", "auto") or value in (None, defaults.get(name)):

@@ -69,3 +69,13 @@ def load_tokenizer_if_any(source: str | os.PathLike[str] | PreTrainedModel) -> A
         return AutoTokenizer.from_pretrained(str(source))
     except (OSError, ValueError):
         return None
+
+
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """transformers' per-layer checkpointing, non-reentrant: it preserves dropout's RNG for
+    the recompute, and needs no input that requires grad, so gradients reach a LoRA adapter
+    behind frozen embeddings (transformers still hooks the embeddings to require grad, which
+    only the reentrant variant needs)."""
+    if not model.supports_gradient_checkpointing:
+        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

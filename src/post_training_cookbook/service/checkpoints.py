@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -45,14 +45,20 @@ class _LoraWeights(Protocol):
 
 @torch.no_grad()
 def inference_tensors(
-    model: torch.nn.Module, adapter: str, dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    adapter: str,
+    dtype: torch.dtype | None = None,
+    *,
+    entries: Iterable[tuple[str, Tensor]] | None = None,
 ) -> Iterator[tuple[list[str], Tensor]]:
     """``model``'s full weights one storage at a time: the base model's parameter names that
     share it (two for tied embeddings) and a fresh copy in ``dtype`` (None: as held), each
     LoRA-adapted weight as W + scale·B·A of ``adapter`` (nothing merged into ``model``).
 
     One weight is copied at a time, so a consumer that writes each into its own tensors
-    (an engine) never needs a second whole copy of the model."""
+    (an engine) never needs a second whole copy of the model. ``entries``: the state-dict
+    entries to go through (default: all of ``model.state_dict()``; the sharded trainer
+    passes one gathered FSDP group at a time)."""
     lora_layers = {  # (module, parameter) → its adapter; MoE experts: one per 3-D tensor
         (_without_base_layers(name), getattr(module, "parameter_name", None) or "weight"): cast(
             _LoraWeights, module
@@ -61,7 +67,7 @@ def inference_tensors(
         if isinstance(module, LoraLayer)
     }
     storages: dict[tuple[int, tuple[int, ...]], tuple[list[str], Tensor, str, str]] = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in model.state_dict().items() if entries is None else entries:
         owner, _, leaf = key.rpartition(".")
         if any(part.startswith("lora_") for part in key.split(".")):
             continue
@@ -109,13 +115,10 @@ def save_training_checkpoint(
     path: str | os.PathLike[str],
     parameters: dict[str, Tensor],
     optimizer: torch.optim.Optimizer,
-    *,
-    version: int,
-    use_lora: bool,
-    lora_settings: dict[str, Any],
-    precision: str,
+    meta: dict[str, Any],
 ) -> Path:
-    """Write ``parameters`` (the trainable ones), ``optimizer``'s state and the RNG states."""
+    """Write ``parameters`` (the trainable ones), ``optimizer``'s state and the RNG states;
+    ``meta``: the trainer's ``version``, ``use_lora``, ``lora`` settings and ``precision``."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     names = list(parameters)
@@ -128,16 +131,16 @@ def save_training_checkpoint(
         for key, value in state.items()
     }
     save_file(optimizer_tensors, folder / OPTIMIZER_FILE)
-    save_file(_rng_states(), folder / RNG_FILE)
-    meta = {
-        "version": version,
-        "use_lora": use_lora,
-        "lora": lora_settings if use_lora else None,
-        "precision": precision,
+    save_file(current_rng_states(), folder / RNG_FILE)
+    state = {
+        "version": meta["version"],
+        "use_lora": meta["use_lora"],
+        "lora": meta["lora"],
+        "precision": meta["precision"],
         "parameter_names": names,
         "optimizer_param_groups": optimizer_state["param_groups"],
     }
-    (folder / STATE_FILE).write_text(json.dumps(meta, indent=1))
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=1))
     return folder
 
 
@@ -198,11 +201,41 @@ def read_training_checkpoint(
     )
 
 
+def load_training_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    parameters: dict[str, Tensor],
+    new_optimizer: Callable[[], torch.optim.Optimizer],
+    expected: dict[str, Any],
+    load_optimizer: bool,
+    device: str,
+) -> tuple[torch.optim.Optimizer, int]:
+    """Read and check the checkpoint in ``path``, then copy its weights into ``parameters``
+    and its optimizer state into a new optimizer (``load_optimizer=False``: a fresh one) and
+    restore the RNG states; return that optimizer and the checkpoint's version. ``expected``:
+    the trainer's ``use_lora``, ``lora`` settings and ``precision`` (None: any)."""
+    checkpoint = read_training_checkpoint(path, optimizer=load_optimizer, device=device)
+    check_compatible(
+        checkpoint,
+        use_lora=expected["use_lora"],
+        lora_settings=expected["lora"],
+        parameters=parameters,
+        precision=expected["precision"],
+    )
+    optimizer = new_optimizer()
+    if load_optimizer:
+        apply_optimizer_state(checkpoint, optimizer)
+    apply_trainable_weights(checkpoint, parameters)
+    if load_optimizer:
+        apply_rng_states(checkpoint)
+    return optimizer, checkpoint.version
+
+
 def check_compatible(
     checkpoint: TrainingCheckpoint,
     *,
     use_lora: bool,
-    lora_settings: dict[str, Any],
+    lora_settings: dict[str, Any] | None,
     parameters: dict[str, Tensor],
     precision: str | None,
 ) -> None:
@@ -254,7 +287,7 @@ def apply_optimizer_state(checkpoint: TrainingCheckpoint, optimizer: torch.optim
 def apply_rng_states(checkpoint: TrainingCheckpoint) -> None:
     """Restore the torch RNG states saved with the checkpoint."""
     assert checkpoint.rng_states is not None, "read with optimizer=True"
-    _set_rng_states(checkpoint.rng_states)
+    restore_rng_states(checkpoint.rng_states)
 
 
 def _read_state(path: Path) -> dict[str, Any]:
@@ -301,7 +334,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
 
 
-def _rng_states() -> dict[str, Tensor]:
+def current_rng_states() -> dict[str, Tensor]:
     states = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         for index, state in enumerate(torch.cuda.get_rng_state_all()):
@@ -309,7 +342,7 @@ def _rng_states() -> dict[str, Tensor]:
     return states
 
 
-def _set_rng_states(states: dict[str, Tensor]) -> None:
+def restore_rng_states(states: dict[str, Tensor]) -> None:
     torch.set_rng_state(states["torch_cpu"])
     cuda_keys = sorted((k for k in states if k.startswith("torch_cuda.")), key=_device_index)
     cuda_states = [states[k] for k in cuda_keys]

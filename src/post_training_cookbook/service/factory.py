@@ -18,6 +18,7 @@ from post_training_cookbook.service.types import (
     GenerationEngine,
     TrainerSettings,
     VLLMSettings,
+    WeightTransport,
 )
 
 if TYPE_CHECKING:
@@ -47,6 +48,13 @@ class ServiceSpec:
     """``backend="ray"``: GPUs Ray reserves for the trainer actor."""
     num_gpus_per_generator: float = 0.0
     """``backend="ray"``: GPUs Ray reserves for each generator actor."""
+    num_trainer_workers: int = 1
+    """``backend="ray"``: trainer processes; more than 1 shard the model across them (FSDP2,
+    ``service/sharded.py``), each reserving ``num_gpus_per_trainer``."""
+    collective_timeout_s: float = 600.0
+    """A sharded trainer's collective (and its start) raises once it waited this long."""
+    weight_transport: WeightTransport = "auto"
+    """``backend="ray"``: how full weights reach the generators (``service/ray.py``)."""
     vllm: VLLMSettings = field(default_factory=VLLMSettings)
     overlapped: bool = False
     """Training and sampling run at the same time (async GRPO): the local backend then splits
@@ -56,6 +64,14 @@ class ServiceSpec:
         if self.num_generator_replicas < 1:
             raise ValueError(
                 f"num_generator_replicas must be >= 1, got {self.num_generator_replicas}"
+            )
+        if self.num_trainer_workers < 1:
+            raise ValueError(f"num_trainer_workers must be >= 1, got {self.num_trainer_workers}")
+        if self.num_trainer_workers > 1 and self.backend != "ray":
+            raise ValueError(
+                f"num_trainer_workers={self.num_trainer_workers} needs backend='ray': a sharded "
+                "trainer is one process per worker, started by Ray; the local backend trains "
+                "in this process"
             )
         local_vllm = self.generation_engine == "vllm" and self.backend == "local"
         if local_vllm and self.num_generator_replicas != 1:
@@ -137,6 +153,9 @@ async def open_service(spec: ServiceSpec) -> ModelService:
             num_gpus_per_trainer=spec.num_gpus_per_trainer,
             num_gpus_per_generator=spec.num_gpus_per_generator,
             vllm_options=spec.vllm.engine_options(beside_trainer=False),
+            num_trainer_workers=spec.num_trainer_workers,
+            collective_timeout_s=spec.collective_timeout_s,
+            weight_transport=spec.weight_transport,
         )
     import torch
 

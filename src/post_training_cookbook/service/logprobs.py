@@ -60,6 +60,18 @@ class MicroBatch:
 # ---------------------------------------------------------------- micro-batches
 
 
+def check_batch_options(
+    micro_batch_tokens: int, logprob_chunk_tokens: int | None, gradient_checkpointing: bool
+) -> None:
+    """The trainer's batch options, checked before anything loads."""
+    if micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
+        raise ValueError(f"logprob_chunk_tokens must be >= 1 or None, got {logprob_chunk_tokens}")
+    if not isinstance(gradient_checkpointing, bool):
+        raise ValueError(f"gradient_checkpointing must be a bool, got {gradient_checkpointing!r}")
+
+
 def micro_batches(
     samples: Sequence[TrainingSample], max_tokens: int, device: torch.device
 ) -> Iterator[MicroBatch]:
@@ -106,6 +118,36 @@ def batch_totals(samples: Sequence[TrainingSample]) -> BatchTotals:
 
 
 # ---------------------------------------------------------------- log-probabilities
+
+
+class TokenLogprobs(torch.nn.Module):
+    """``token_logprobs`` of ``model`` as a module, so that the whole computation is one
+    forward: the sharded trainer makes it FSDP's root, which gathers the embeddings and the
+    LM head for it (``sharded.py``)."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        route: LogitsRoute,
+        chunk_tokens: int | None,
+        autocast_bf16: bool,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.route: LogitsRoute = route
+        self.chunk_tokens = chunk_tokens
+        self.autocast_bf16 = autocast_bf16
+        """The decoder runs under bf16 autocast (the head and log-softmax stay in fp32)."""
+
+    def forward(self, batch: MicroBatch) -> tuple[Tensor, float]:
+        """``token_logprobs``: [batch, time] fp32 log-probs (0 off the trained positions) and
+        the summed entropy of the trained positions' distributions."""
+        device = batch.input_ids.device.type
+        autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=self.autocast_bf16)
+        return token_logprobs(
+            self.model, batch, route=self.route, chunk_tokens=self.chunk_tokens, autocast=autocast
+        )
 
 
 def token_logprobs(

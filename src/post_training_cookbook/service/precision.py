@@ -24,7 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, get_args
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from post_training_cookbook.service.types import Precision
 
@@ -68,12 +70,19 @@ def clip_gradients(parameters: Iterable[Tensor], max_norm: float) -> float:
 
     The norm is accumulated in fp32 whatever the gradients' dtype (``clip_grad_norm_``
     would round bf16 gradients' norms to bf16). A non-finite norm leaves them as they are.
+    Sharded gradients (``DTensor``, the sharded trainer's): the norm of every rank's shards
+    together, the same on every rank.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-    total = float(torch.linalg.vector_norm(torch.stack(norms)))
+    norms = [torch.linalg.vector_norm(_local(g), dtype=torch.float32) for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack(norms))
+    if isinstance(grads[0], DTensor):  # this rank's shards: add up the squares of all ranks'
+        square = norm.square()
+        dist.all_reduce(square, group=grads[0].device_mesh.get_group())
+        norm = square.sqrt()
+    total = float(norm)
     if math.isfinite(total) and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for grad in grads:
@@ -119,8 +128,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 state = self._state_of(param)
                 state["step"] += 1
                 parts = (param, param.grad, state["master"], state["exp_avg"], state["exp_avg_sq"])
-                flat = [t.view(-1) for t in parts]
-                for start in range(0, param.numel(), self.SLICE):
+                flat = [_local(t).view(-1) for t in parts]  # sharded: this rank's shard
+                for start in range(0, flat[0].numel(), self.SLICE):
                     window = [t[start : start + self.SLICE] for t in flat]
                     _adamw_update(*window, step=float(state["step"]), group=group)
         return loss
@@ -144,6 +153,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if key != "step":
                     self.state[param][key] = value.to(param.device, torch.float32, copy=True)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a sharded tensor (a view: writes reach the ``DTensor``)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _adamw_update(

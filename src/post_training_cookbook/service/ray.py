@@ -1,5 +1,9 @@
 """``RayModelService``: the trainer and ``num_generator_replicas`` generators as Ray actors.
 
+The trainer is one actor, or the ``num_trainer_workers`` ranks of a sharded trainer
+(``sharded.py``; started by ``ray_startup``): every trainer call goes to every rank, and rank
+0's result is the answer.
+
 The service runs in the driver (the training loop's process) and holds only actor handles; the
 loops use it exactly as ``LocalModelService``. Started on a local, loopback-only Ray by
 default (``ray_env.init_local_ray``), or on an existing cluster with ``ray_address``. Each
@@ -8,29 +12,33 @@ generator builds its own engine: the torch ``LocalEngine`` or vLLM (``VLLMEngine
 Routing: ``routing.PrefixRouter`` sends a prompt to the replica that holds its longest known
 prefix (so an episode's turns stay where their KV cache is), else to the least loaded one.
 
-Weight publication (CPU path): the trainer actor returns its merged weights in the engines'
-dtype; Ray stores them once in the object store and every generator reads them from there
-(shared memory on one node, object transfer across nodes); the driver never holds them. The
-three sync types behave as in ``LocalModelService`` (PIPELINE: the engines swap weights
-between two decode steps, sequences in flight go on). A publication that does not finish
-within ``weight_sync_timeout_s`` raises ``WeightSyncTimeoutError`` naming the replicas that did
-not confirm: at once for SYNCHRONOUS, at the next service call for the deferred types. For
-GPUs, see docs/scale_out.md (NCCL broadcast; not implemented here, no GPU to test it on).
+Weight publication, by ``weight_transport``: ``"object_store"``: trainer rank 0 returns its
+merged weights in the engines' dtype; Ray stores them once and every generator reads them
+there (shared memory on one node, object transfer across nodes); the driver never holds
+them. ``"broadcast"``: rank 0 sends them tensor by tensor, as the trainer gathers them, over a
+``torch.distributed`` group of its own with the generators (``weight_broadcast``: gloo on
+CPU, NCCL between GPUs). ``"auto"``: broadcast for a sharded trainer, else the object store.
+LoRA adapter-only sync (vLLM) always goes through the object store. The three sync types
+behave as in ``LocalModelService`` (PIPELINE: the engines swap weights between two decode
+steps, sequences in flight go on). A publication that does not finish within
+``weight_sync_timeout_s`` raises ``WeightSyncTimeoutError`` naming the replicas that did not
+confirm: at once for SYNCHRONOUS, at the next service call for the deferred types.
 
 Failure: an actor that dies (process killed, OOM, node lost) fails the calls waiting on it
-with ``WorkerDiedError`` naming it — Ray reports the death, so nothing waits forever. The
-service does not replace a dead replica: the run stops and resumes from its last checkpoint.
+with ``WorkerDiedError`` naming it (``trainer rank 1 (pid 1234 on host)``) — Ray reports the
+death, so nothing waits forever, and the ranks still alive give up their collectives after
+the collective timeout. The service replaces no actor: the run stops and resumes from its
+last checkpoint.
 
-A little over 400 lines: the service is one class whose calls share the failure and version
-bookkeeping; the actors are in ``ray_actors`` and the routing in ``routing``.
+About 450 lines: the service is one class whose calls share the failure and version
+bookkeeping (fanning out to the trainer ranks added to it); the actors are in
+``ray_actors``, their start in ``ray_startup``, the routing in ``routing``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import math
-import os
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -39,12 +47,13 @@ from post_training_cookbook.engine.types import SampledSequence, SamplingParams,
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
 from post_training_cookbook.service.factory import check_scale_dependencies
-from post_training_cookbook.service.ray_actors import (
-    EngineSpec,
-    GeneratorWorker,
-    TrainerWorker,
+from post_training_cookbook.service.ray_actors import EngineSpec
+from post_training_cookbook.service.ray_startup import (
+    ActorLayout,
+    Actors,
+    start_actors,
+    stop_actors,
 )
-from post_training_cookbook.service.ray_env import connect_ray, init_local_ray
 from post_training_cookbook.service.routing import PrefixRouter
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
@@ -55,6 +64,7 @@ from post_training_cookbook.service.types import (
     TrainerSettings,
     TrainingSample,
     WeightSyncType,
+    WeightTransport,
 )
 
 
@@ -69,28 +79,27 @@ class WeightSyncTimeoutError(TimeoutError):
 class RayModelService(ModelService):
     def __init__(
         self,
-        trainer: Any,
-        generators: list[Any],
-        workers: list[dict[str, Any]],
+        actors: Actors,
         *,
         engine_dtype: str,
         weight_sync_timeout_s: float,
-        owns_ray: bool,
         adapter_sync: bool = False,
+        broadcast: bool = False,
     ) -> None:
-        """Use ``create``; ``workers`` describes the trainer, then each generator."""
-        self._trainer = trainer
-        self._generators = generators
-        self._workers = workers
+        """Use ``create``."""
+        self._actors = actors
+        self._trainers = actors.trainers
+        self._generators = actors.generators
+        self._workers = actors.workers
         self._engine_dtype = engine_dtype
         self._adapter_sync = adapter_sync
+        self._broadcast = broadcast
         self.weight_sync_timeout_s = weight_sync_timeout_s
         """Seconds a publication may take (settable between syncs)."""
-        self._owns_ray = owns_ray
-        self._router = PrefixRouter(len(generators))
+        self._router = PrefixRouter(len(self._generators))
         self._trainer_version = 0
         self._target_version = 0
-        self._applied = [0] * len(generators)
+        self._applied = [0] * len(self._generators)
         self._publishing: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
         self._idle = IdleClock()
@@ -113,22 +122,32 @@ class RayModelService(ModelService):
         num_gpus_per_generator: float = 0.0,
         lora_sync: Literal["adapter", "merged"] | None = None,
         vllm_options: dict[str, Any] | None = None,
+        num_trainer_workers: int = 1,
+        collective_timeout_s: float = 600.0,
+        weight_transport: WeightTransport = "auto",
     ) -> RayModelService:
-        """Start Ray (or join ``ray_address``), the trainer actor (built as ``trainer`` says)
-        and the generators; return once every actor is up. ``lora_sync``: how LoRA weights
-        reach the engines, ``"adapter"`` (the adapter alone; vLLM only, its LoRA kernels run
-        the adapter) or ``"merged"`` (full merged weights); None picks ``"adapter"`` for
-        vLLM."""
-        if num_generator_replicas < 1:
-            raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
-        if weight_sync_timeout_s <= 0:
-            raise ValueError(f"weight_sync_timeout_s must be > 0, got {weight_sync_timeout_s}")
+        """Start Ray (or join ``ray_address``), the trainer actor(s) (built as ``trainer``
+        says; ``num_trainer_workers > 1``: the ranks of a sharded trainer, whose collectives
+        wait ``collective_timeout_s`` at most) and the generators; return once every actor is
+        up. ``lora_sync``: how LoRA weights reach the engines, ``"adapter"`` (the adapter
+        alone; vLLM only, its LoRA kernels run the adapter) or ``"merged"`` (full merged
+        weights); None picks ``"adapter"`` for vLLM. ``weight_transport``: see the module."""
+        layout = ActorLayout(
+            num_trainer_workers, num_generator_replicas, num_cpus_per_actor,
+            num_gpus_per_trainer, num_gpus_per_generator,
+        )  # fmt: skip
+        if weight_sync_timeout_s <= 0 or collective_timeout_s <= 0:
+            raise ValueError(
+                "weight_sync_timeout_s and collective_timeout_s must be > 0, got "
+                f"{weight_sync_timeout_s} and {collective_timeout_s}"
+            )
         check_scale_dependencies(generation_engine)
         adapter_sync = (
             trainer.use_lora and (lora_sync or _default_lora_sync(generation_engine)) == "adapter"
         )
         if adapter_sync and generation_engine != "vllm":
             raise ValueError("lora_sync='adapter' needs generation_engine='vllm'")
+        broadcast = not adapter_sync and layout.broadcasts(weight_transport, generation_engine)
         spec = EngineSpec(
             kind=generation_engine,
             source=info.source,
@@ -139,22 +158,14 @@ class RayModelService(ModelService):
             max_lora_rank=trainer.lora_rank if adapter_sync else None,
             device="cuda" if num_gpus_per_generator > 0 else "cpu",
         )
-        import ray
-
-        owns_ray = _ensure_ray(ray_address, num_cpus_per_actor * (1 + num_generator_replicas))
-        trainer_actor = ray.remote(TrainerWorker).options(
-            num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_trainer
-        )
-        generator = ray.remote(GeneratorWorker).options(
-            max_concurrency=10_000, num_cpus=num_cpus_per_actor, num_gpus=num_gpus_per_generator
-        )
-        actors: list[Any] = [trainer_actor.remote(info.source, trainer)]
-        actors += [generator.remote(spec, i) for i in range(num_generator_replicas)]
-        workers = await _wait_ready(actors, startup_timeout_s, owns_ray)
+        actors = await start_actors(
+            info.source, trainer, spec, layout, ray_address=ray_address,
+            collective_timeout_s=collective_timeout_s, startup_timeout_s=startup_timeout_s,
+            weight_group_timeout_s=weight_sync_timeout_s if broadcast else None,
+        )  # fmt: skip
         return cls(
-            actors[0], actors[1:], workers, engine_dtype=spec.dtype,
-            weight_sync_timeout_s=weight_sync_timeout_s, owns_ray=owns_ray,
-            adapter_sync=adapter_sync,
+            actors, engine_dtype=spec.dtype, weight_sync_timeout_s=weight_sync_timeout_s,
+            adapter_sync=adapter_sync, broadcast=broadcast,
         )  # fmt: skip
 
     # ---- sampling ----------------------------------------------------------------------
@@ -169,7 +180,7 @@ class RayModelService(ModelService):
             generator = self._generators[route.replica]
             with self._idle.busy():
                 sequences: list[SampledSequence] = await self._call(
-                    1 + route.replica, generator.sample.remote(prompt_tokens, n, params)
+                    self._slot(route.replica), generator.sample.remote(prompt_tokens, n, params)
                 )
             completions = [sequence.tokens for sequence in sequences]
             return sequences
@@ -182,22 +193,20 @@ class RayModelService(ModelService):
     # ---- training ----------------------------------------------------------------------
 
     async def forward(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
-        result: list[list[float]] = await self._call(0, self._trainer.forward.remote(samples))
+        result: list[list[float]] = await self._on_trainers("forward", list(samples))
         return result
 
     async def forward_backward(
         self, samples: Sequence[TrainingSample], loss: LossConfig
     ) -> ForwardBackwardResult:
-        result: ForwardBackwardResult = await self._call(
-            0, self._trainer.forward_backward.remote(list(samples), loss)
+        result: ForwardBackwardResult = await self._on_trainers(
+            "forward_backward", list(samples), loss
         )
         return result
 
     async def optim_step(self, learning_rate: float) -> OptimStepResult:
         self._raise_if_failed()
-        result: OptimStepResult = await self._call(
-            0, self._trainer.optim_step.remote(learning_rate)
-        )
+        result: OptimStepResult = await self._on_trainers("optim_step", learning_rate)
         self._trainer_version = result.version
         return result
 
@@ -214,10 +223,10 @@ class RayModelService(ModelService):
         mode = sync_type.engine_mode
         if self._adapter_sync and mode == "pipeline":
             raise ValueError("PIPELINE needs full-weight training; LoRA adapters apply drained")
-        # submitted before any later optim_step, so the trainer actor snapshots this version
-        weights = self._snapshot()
+        # submitted before any later optim_step, so the trainer snapshots this version
+        calls = self._submit_publication(version, mode)
         self._target_version = version
-        publish = asyncio.create_task(self._publish(weights, version, mode))
+        publish = asyncio.create_task(self._publish(*calls, version, mode))
         if sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS:
             await publish
         else:
@@ -225,35 +234,44 @@ class RayModelService(ModelService):
             publish.add_done_callback(self._on_published)
         return version
 
-    def _snapshot(self) -> Any:
-        """An object ref to the trainer's weights (or LoRA adapter) for the engines."""
+    def _submit_publication(self, version: int, mode: WeightsMode) -> tuple[list[Any], list[Any]]:
+        """The trainer ranks' calls that send the weights (or LoRA adapter) and each
+        generator's that applies them: by broadcast, or through rank 0's object ref."""
+        dtype = self._engine_dtype
+        if self._broadcast:
+            sends = [t.broadcast_weights.remote(dtype) for t in self._trainers]
+            applies = [g.receive_weights.remote(version, mode) for g in self._generators]
+            return sends, applies
+        method = "lora_adapter" if self._adapter_sync else "inference_weights"
+        sends = [getattr(t, method).remote(dtype) for t in self._trainers]
         if self._adapter_sync:
-            return self._trainer.lora_adapter.remote(self._engine_dtype)
-        return self._trainer.inference_weights.remote(self._engine_dtype)
+            applies = [g.apply_adapter.remote(sends[0], version) for g in self._generators]
+        else:
+            applies = [g.apply_weights.remote(sends[0], version, mode) for g in self._generators]
+        return sends, applies
 
-    def _apply_remote(self, generator: Any, weights: Any, version: int, mode: WeightsMode) -> Any:
-        if self._adapter_sync:
-            return generator.apply_adapter.remote(weights, version)
-        return generator.apply_weights.remote(weights, version, mode)
-
-    async def _publish(self, weights: Any, version: int, mode: WeightsMode) -> None:
-        """Every generator reads ``weights`` (an object ref) from the object store."""
+    async def _publish(
+        self, sends: list[Any], applies: list[Any], version: int, mode: WeightsMode
+    ) -> None:
+        """Wait for the trainer ranks' sends and every generator's apply; a dead actor raises
+        at once, a late generator after ``weight_sync_timeout_s``."""
+        trainer_calls = [asyncio.ensure_future(self._call(r, s)) for r, s in enumerate(sends)]
         calls = {
-            asyncio.ensure_future(self._call(1 + i, self._apply_remote(g, weights, version, mode)))
-            : i for i, g in enumerate(self._generators)
-        }  # fmt: skip
-        done, pending = await asyncio.wait(calls, timeout=self.weight_sync_timeout_s)
-        for call in done:
-            call.result()  # a dead replica raises here
-            self._landed(calls[call], version)
-        for call in pending:  # reported below; still counted if it lands later
-            call.add_done_callback(functools.partial(self._landed_late, calls[call], version))
-        if pending:
-            late = sorted(calls[call] for call in pending)
+            asyncio.ensure_future(self._call(self._slot(i), apply)): i
+            for i, apply in enumerate(applies)
+        }
+        for call, replica in calls.items():  # counted when it lands, also after a timeout
+            call.add_done_callback(functools.partial(self._landed_late, replica, version))
+        await _first_failure([*trainer_calls, *calls], timeout=self.weight_sync_timeout_s)
+        late = sorted(replica for call, replica in calls.items() if not call.done())
+        for call, replica in calls.items():
+            if call.done():
+                self._landed(replica, version)
+        if late:
             raise WeightSyncTimeoutError(
                 f"weight sync to version {version} ({mode}) did not finish within "
                 f"{self.weight_sync_timeout_s}s on generator replica(s) {late}: "
-                + "; ".join(self._describe(1 + i) for i in late)
+                + "; ".join(self._describe(self._slot(i)) for i in late)
             )
 
     def _landed(self, replica: int, version: int) -> None:
@@ -284,11 +302,11 @@ class RayModelService(ModelService):
     # ---- checkpoints -------------------------------------------------------------------
 
     async def save_training_checkpoint(self, path: PathLike) -> None:
-        await self._call(0, self._trainer.save_training_checkpoint.remote(str(path)))
+        await self._on_trainers("save_training_checkpoint", str(path))
 
     async def load_training_checkpoint(self, path: PathLike, *, load_optimizer: bool = True) -> int:
-        version: int = await self._call(
-            0, self._trainer.load_training_checkpoint.remote(str(path), load_optimizer)
+        version: int = await self._on_trainers(
+            "load_training_checkpoint", str(path), load_optimizer
         )
         if version <= self._target_version:
             raise ValueError(
@@ -296,18 +314,27 @@ class RayModelService(ModelService):
                 f"({self._target_version}); load it into a new service"
             )
         self._trainer_version = self._target_version = version
-        await self._publish(self._snapshot(), version, "drain")
+        await self._publish(*self._submit_publication(version, "drain"), version, "drain")
         return version
 
     async def save_inference_checkpoint(self, path: PathLike) -> None:
-        await self._call(0, self._trainer.save_inference_checkpoint.remote(str(Path(path))))
+        await self._on_trainers("save_inference_checkpoint", str(Path(path)))
 
     # ---- introspection (tests, benchmarks) ---------------------------------------------
 
     @property
     def workers(self) -> list[dict[str, Any]]:
-        """The trainer, then each generator: pid, host, engine."""
+        """Each trainer rank, then each generator: pid, host, rank or replica and engine."""
         return [dict(worker) for worker in self._workers]
+
+    @property
+    def num_trainer_workers(self) -> int:
+        return len(self._trainers)
+
+    @property
+    def weight_transport(self) -> str:
+        """How full weights reach the generators: ``"broadcast"`` or ``"object_store"``."""
+        return "broadcast" if self._broadcast else "object_store"
 
     @property
     def in_flight(self) -> list[int]:
@@ -316,28 +343,50 @@ class RayModelService(ModelService):
 
     async def generator_stats(self) -> list[dict[str, float]]:
         stats: list[dict[str, float]] = await asyncio.gather(
-            *(self._call(1 + i, g.stats.remote()) for i, g in enumerate(self._generators))
+            *(self._call(self._slot(i), g.stats.remote()) for i, g in enumerate(self._generators))
         )
         return stats
 
     async def score_on_generators(self, tokens: list[int]) -> list[list[float]]:
         """Each replica's logprobs of ``tokens`` laid out as ``forward``'s (vLLM engine only)."""
         scores: list[list[float]] = await asyncio.gather(
-            *(self._call(1 + i, g.score.remote(tokens)) for i, g in enumerate(self._generators))
+            *(
+                self._call(self._slot(i), g.score.remote(tokens))
+                for i, g in enumerate(self._generators)
+            )
         )
         return scores
 
     # ---- plumbing ----------------------------------------------------------------------
 
+    async def _on_trainers(self, method: str, *args: Any) -> Any:
+        """``method`` on every trainer rank; rank 0's result. The first rank to fail (or
+        die) raises at once."""
+        if len(self._trainers) > 1:  # into the object store once, not once a rank
+            import ray
+
+            args = tuple(ray.put(arg) for arg in args)
+        calls = [
+            asyncio.ensure_future(self._call(rank, getattr(trainer, method).remote(*args)))
+            for rank, trainer in enumerate(self._trainers)
+        ]
+        await _first_failure(calls)
+        return calls[0].result()
+
+    def _slot(self, replica: int) -> int:
+        """Generator replica ``replica``'s index among the workers (after the trainer ranks)."""
+        return len(self._trainers) + replica
+
     async def _call(self, worker: int, ref: Any) -> Any:
-        """Await a call on worker ``worker`` (0 = trainer); a dead actor raises at once."""
+        """Await a call on worker ``worker`` (trainer ranks first, then the generators); a
+        dead actor raises at once."""
         import ray
 
         try:
             return await ref
         except ray.exceptions.RayActorError as error:
-            if worker > 0:
-                self._router.exclude(worker - 1)
+            if worker >= len(self._trainers):
+                self._router.exclude(worker - len(self._trainers))
             raise WorkerDiedError(
                 f"{self._describe(worker)} died: {type(error).__name__}. The run cannot go on "
                 "without it; restart it (resume=True continues from the last checkpoint)"
@@ -348,33 +397,53 @@ class RayModelService(ModelService):
 
     def _describe(self, worker: int) -> str:
         info = self._workers[worker]
-        name = "trainer" if worker == 0 else f"generator replica {worker - 1}"
+        ranks = len(self._trainers)
+        if worker >= ranks:
+            name = f"generator replica {worker - ranks}"
+        else:
+            name = "trainer" if ranks == 1 else f"trainer rank {worker}"
         return f"{name} (pid {info['pid']} on {info['host']})"
 
     async def close(self) -> None:
-        import ray
 
         await asyncio.gather(*self._publishing, return_exceptions=True)
         closing = [g.close.remote() for g in self._generators]
         await asyncio.wait([asyncio.ensure_future(_awaited(c)) for c in closing], timeout=60)
-        for actor in [self._trainer, *self._generators]:
-            ray.kill(actor)
-        if self._owns_ray:
-            ray.shutdown()
+        stop_actors(self._actors)
 
 
-def _ensure_ray(address: str | None, cpus_needed: float) -> bool:
-    """Start a local loopback-only Ray, or join ``address``, unless Ray is up; True when this
-    call started or joined it (the service then shuts it down at close)."""
-    import ray
+DEATH_REPORT_S = 10.0
+"""How long a failed call waits for its peers' deaths to be reported: a rank whose peer was
+killed fails its collective at once (connection reset), a little before Ray reports the
+death, which is the error that names the cause."""
 
-    if ray.is_initialized():
-        return False
-    if address is None:
-        init_local_ray(num_cpus=max(os.cpu_count() or 1, math.ceil(cpus_needed)))
-    else:
-        connect_ray(address)
-    return True
+
+async def _first_failure(
+    calls: Sequence[asyncio.Future[Any]], timeout: float | None = None
+) -> None:
+    """Wait for ``calls`` (at most ``timeout``); raise the first failure, preferring a
+    ``WorkerDiedError`` reported within ``DEATH_REPORT_S`` of it. Calls still running are
+    left to finish; their errors are consequences of the one raised."""
+    done, pending = await asyncio.wait(calls, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
+    failed = [call for call in calls if call in done and call.exception() is not None]
+    if failed and pending and not any(_died(call) for call in failed):
+        more, pending = await asyncio.wait(
+            pending, timeout=DEATH_REPORT_S, return_when=asyncio.FIRST_EXCEPTION
+        )
+        failed += [call for call in more if call.exception() is not None]
+    for call in pending:
+        call.add_done_callback(_retrieved)
+    if failed:
+        raise next((c for c in failed if _died(c)), failed[0]).exception()  # type: ignore[misc]
+
+
+def _died(call: asyncio.Future[Any]) -> bool:
+    return isinstance(call.exception(), WorkerDiedError)
+
+
+def _retrieved(call: asyncio.Future[Any]) -> None:
+    if not call.cancelled():
+        call.exception()
 
 
 def _default_lora_sync(engine: GenerationEngine) -> Literal["adapter", "merged"]:
@@ -386,25 +455,3 @@ async def _awaited(ref: Awaitable[Any]) -> Any:
         return await ref
     except Exception as error:  # closing: a dead or failing actor is killed anyway
         return error
-
-
-async def _wait_ready(actors: list[Any], timeout_s: float, owns_ray: bool) -> list[dict[str, Any]]:
-    """Every actor's ``ready()``; a clear error (and no leftover actors) when one cannot start."""
-    import ray
-
-    try:
-        workers: list[dict[str, Any]] = await asyncio.wait_for(
-            asyncio.gather(*(actor.ready.remote() for actor in actors)), timeout_s
-        )
-        return workers
-    except (TimeoutError, ray.exceptions.RayError) as error:
-        resources = ray.available_resources()
-        for actor in actors:
-            ray.kill(actor)
-        if owns_ray:
-            ray.shutdown()
-        reason = f"not placed within {timeout_s}s" if isinstance(error, TimeoutError) else error
-        raise RuntimeError(
-            f"could not start the trainer and {len(actors) - 1} generator actor(s): {reason}. "
-            f"Ray's free resources: {resources}"
-        ) from error

@@ -1,18 +1,21 @@
-"""The Ray actors behind ``RayModelService``: one trainer, one per generator replica.
+"""The Ray actors behind ``RayModelService``: one per trainer rank, one per generator replica.
 
 Plain classes, made actors with ``ray.remote(...)`` when the service starts, so this module
-imports without Ray. The trainer actor is synchronous: Ray runs its calls one at a time in
+imports without Ray. Trainer actors are synchronous: Ray runs their calls one at a time in
 the order they were submitted, so a weights snapshot asked for after ``optim_step`` sees that
-step and no later one. Generator actors are asyncio actors: many ``sample`` calls run at once
-and the engine batches them.
+step and no later one. With ``num_trainer_workers > 1`` every trainer call goes to every
+rank (they run one sharded trainer, ``sharded.py``) and rank 0's result is the answer.
+Generator actors are asyncio actors: many ``sample`` calls run at once and the engine
+batches them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
+from post_training_cookbook.service.sharded import TrainerGroup, full_tensor
 from post_training_cookbook.service.trainer import ADAPTER_NAME, Trainer
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
@@ -29,6 +33,7 @@ from post_training_cookbook.service.types import (
     TrainerSettings,
     TrainingSample,
 )
+from post_training_cookbook.service.weight_broadcast import WeightGroup
 
 
 def process_identity() -> dict[str, Any]:
@@ -36,12 +41,54 @@ def process_identity() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
+def free_address() -> str:
+    """``host:port`` of a port free now on this node (the race until it is bound is small)."""
+    import ray
+
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return f"{host}:{probe.getsockname()[1]}"
+
+
 class TrainerWorker:
-    def __init__(self, source: str, settings: TrainerSettings) -> None:
-        self.trainer = Trainer.from_settings(source, settings)
+    def __init__(
+        self, source: str, settings: TrainerSettings, rank: int = 0, world_size: int = 1
+    ) -> None:
+        """Nothing loads yet: ``start`` builds the trainer (rank 0 first says where the
+        ranks meet, ``free_address``)."""
+        self.source, self.settings = source, settings
+        self.rank, self.world_size = rank, world_size
+        self.trainer: Trainer
+        self._weight_group: WeightGroup | None = None
+
+    def free_address(self) -> str:
+        return free_address()
+
+    def start(self, address: str | None, timeout_s: float) -> dict[str, Any]:
+        """Build the trainer; with several ranks, join them at ``address`` (rank 0's) first."""
+        group = None
+        if self.world_size > 1:
+            assert address is not None, "a sharded trainer needs rank 0's address"
+            group = TrainerGroup(self.rank, self.world_size, address, timeout_s)
+        self.trainer = Trainer.from_settings(self.source, self.settings, group=group)
+        return self.ready()
 
     def ready(self) -> dict[str, Any]:
-        return process_identity() | {"version": self.trainer.version}
+        return process_identity() | {"version": self.trainer.version, "rank": self.rank}
+
+    def open_weight_group(self, address: str, size: int, timeout_s: float, device: str) -> None:
+        """Rank 0: serve and join the weight-publication group (``weight_broadcast``)."""
+        self._weight_group = WeightGroup(address, 0, size, timeout_s, device)
+
+    def broadcast_weights(self, dtype: str) -> int:
+        """Send the merged weights in ``dtype`` to the generators (rank 0; the other ranks
+        take part in the gathers); the bytes sent."""
+        tensors = self.trainer.inference_tensors(getattr(torch, dtype))
+        if self._weight_group is None:
+            collections.deque(tensors, maxlen=0)
+            return 0
+        return self._weight_group.send((names[0], tensor) for names, tensor in tensors)
 
     def version(self) -> int:
         return self.trainer.version
@@ -57,25 +104,25 @@ class TrainerWorker:
     def optim_step(self, learning_rate: float) -> OptimStepResult:
         return self.trainer.optim_step(learning_rate)
 
-    def inference_weights(self, dtype: str) -> dict[str, torch.Tensor]:
+    def inference_weights(self, dtype: str) -> dict[str, torch.Tensor] | None:
         """Merged weights in ``dtype``, each storage once: a tied ``lm_head`` is left out, the
-        engines take it from the embedding."""
-        seen: set[int] = set()
-        weights: dict[str, torch.Tensor] = {}
-        for name, tensor in self.trainer.state_dict_for_inference().items():
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            weights[name] = tensor.to("cpu", getattr(torch, dtype)).contiguous()
-        return weights
+        engines take it from the embedding (rank 0; the other ranks return None)."""
+        tensors = self.trainer.inference_tensors(getattr(torch, dtype))
+        if not self.trainer.is_main:
+            collections.deque(tensors, maxlen=0)  # take part in the gathers only
+            return None
+        return {names[0]: tensor.to("cpu").contiguous() for names, tensor in tensors}
 
-    def lora_adapter(self, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The LoRA adapter alone, as PEFT saves it: tensors and ``adapter_config.json``."""
+    def lora_adapter(self, dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """The LoRA adapter alone, as PEFT saves it: tensors and ``adapter_config.json``
+        (rank 0; the other ranks take part in gathering it and return None)."""
         settings = self.trainer.lora_settings
         tensors = {
-            name.replace(f".{ADAPTER_NAME}.", "."): p.detach().to("cpu", getattr(torch, dtype))
+            name.replace(f".{ADAPTER_NAME}.", "."): full_tensor(p).to("cpu", getattr(torch, dtype))
             for name, p in self.trainer.trainable_parameters().items()
         }
+        if not self.trainer.is_main:
+            return None
         config = {
             "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings["rank"],
             "lora_alpha": settings["alpha"], "lora_dropout": 0.0, "bias": "none",
@@ -93,6 +140,9 @@ class TrainerWorker:
 
     def save_inference_checkpoint(self, path: str) -> None:
         self.trainer.save_inference_checkpoint(Path(path))
+
+    def close(self) -> None:
+        self.trainer.close()
 
 
 @dataclass(frozen=True)
@@ -124,7 +174,11 @@ class _Engine(Protocol):
     ) -> list[SampledSequence]: ...
 
     def update_weights(
-        self, state_dict: dict[str, torch.Tensor], version: int, *, mode: WeightsMode = ...
+        self,
+        weights: dict[str, torch.Tensor] | Iterator[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        mode: WeightsMode = ...,
     ) -> None: ...
 
     async def wait_for_version(self, version: int) -> None: ...
@@ -161,6 +215,7 @@ class GeneratorWorker:
         self.engine: _Engine = build_engine(spec)
         self._update_lock = asyncio.Lock()
         self._requested_version = 0
+        self._weight_group: WeightGroup | None = None
 
     async def ready(self) -> dict[str, Any]:
         return process_identity() | {"replica": self.replica, "engine": self.spec.kind}
@@ -179,6 +234,29 @@ class GeneratorWorker:
             if version > self._requested_version:
                 await asyncio.to_thread(self.engine.update_weights, state_dict, version, mode=mode)
                 self._requested_version = version
+        await self.engine.wait_for_version(version)
+        return self.engine.version
+
+    async def open_weight_group(
+        self, address: str, rank: int, size: int, timeout_s: float, device: str
+    ) -> None:
+        """Join the weight-publication group (``weight_broadcast``) as ``rank``."""
+        self._weight_group = await asyncio.to_thread(
+            WeightGroup, address, rank, size, timeout_s, device
+        )
+
+    async def receive_weights(self, version: int, mode: WeightsMode) -> int:
+        """``apply_weights`` for weights broadcast by the trainer: each tensor goes into the
+        engine as it arrives. Every broadcast is received whole, in order, even one older
+        than what the engine has (the trainer waits on every member)."""
+        assert self._weight_group is not None, "open_weight_group first"
+        async with self._update_lock:
+            tensors = self._weight_group.receive()
+            if version > self._requested_version:
+                await asyncio.to_thread(self.engine.update_weights, tensors, version, mode=mode)
+                self._requested_version = version
+            else:
+                await asyncio.to_thread(collections.deque, tensors, 0)
         await self.engine.wait_for_version(version)
         return self.engine.version
 

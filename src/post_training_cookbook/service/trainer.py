@@ -20,17 +20,20 @@ from a plain HF training step, and why:
 - Each micro-batch's loss is already its share of the whole batch's loss, so gradients do
   not depend on how the batch was split (see ``losses.BatchTotals``).
 - A non-finite loss or gradient turns ``optim_step`` into a reported no-op.
+- Given a ``TrainerGroup`` it is one rank of a sharded trainer (FSDP2, ``sharded.py``).
 
 What these choices measured, on which machine: ``docs/performance.md``.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import dataclasses
+import functools
 import math
 import os
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, cast
 
@@ -39,14 +42,19 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from post_training_cookbook.models.loading import load_causal_lm, load_tokenizer_if_any
+from post_training_cookbook.models.loading import (
+    enable_gradient_checkpointing,
+    load_causal_lm,
+    load_tokenizer_if_any,
+)
 from post_training_cookbook.service import attention, checkpoints
 from post_training_cookbook.service.logprobs import (
     MicroBatch,
+    TokenLogprobs,
     batch_totals,
+    check_batch_options,
     choose_route,
     micro_batches,
-    token_logprobs,
 )
 from post_training_cookbook.service.losses import get_loss_fn
 from post_training_cookbook.service.precision import (
@@ -56,6 +64,12 @@ from post_training_cookbook.service.precision import (
     check_precision,
     clip_gradients,
     new_optimizer,
+)
+from post_training_cookbook.service.sharded import Shards, TrainerGroup, held_bytes
+from post_training_cookbook.service.sharded_checkpoints import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
 )
 from post_training_cookbook.service.types import (
     ForwardBackwardResult,
@@ -91,6 +105,7 @@ class Trainer:
         seed: int | None = None,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
+        group: TrainerGroup | None = None,
     ) -> None:
         """Load the model (from a path, or a given model, which is cast to ``precision``'s
         dtype and trained in place) and set up AdamW.
@@ -109,13 +124,15 @@ class Trainer:
         keeps the initial policy for the KL term: a frozen copy for full weight, the base
         with the adapter disabled for LoRA (no copy). ``tokenizer`` (default: the model
         path's) is saved with inference checkpoints. ``forward_backward`` runs in train mode
-        (LoRA dropout applies), ``forward`` in eval mode.
+        (LoRA dropout applies), ``forward`` in eval mode. ``group``: this process is one
+        rank of a sharded trainer (``sharded.py``); it joins the group before loading.
         """
-        _check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
+        check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = check_precision(precision, self.device)
+        self._shards = Shards(group, self.device) if group is not None else None
         dtype = WEIGHT_DTYPES[self.precision]
         base = load_causal_lm(model_path_or_model, dtype)
         cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
@@ -125,11 +142,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.use_lora = use_lora
         self.lora_settings = {
-            "rank": lora_rank,
-            "alpha": lora_alpha,
-            "dropout": lora_dropout,
+            "rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout,
             "target_modules": sorted(lora_target_modules),
-        }
+        }  # fmt: skip
         self.betas = betas
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
@@ -138,12 +153,15 @@ class Trainer:
         if autocast_bf16 is None:  # bf16 weights need no autocast
             autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
         self.autocast_bf16 = autocast_bf16
-        self._route = choose_route(base)
-        self._reference: PreTrainedModel | None = None
+        scorer = functools.partial(
+            TokenLogprobs, route=choose_route(base), chunk_tokens=logprob_chunk_tokens,
+            autocast_bf16=autocast_bf16,
+        )  # fmt: skip
+        self._reference: TokenLogprobs | None = None
         if reference_model and not use_lora:
-            self._reference = copy.deepcopy(base).eval().requires_grad_(False)
+            self._reference = scorer(copy.deepcopy(base).eval().requires_grad_(False))
         if gradient_checkpointing:
-            _enable_gradient_checkpointing(base)
+            enable_gradient_checkpointing(base)
         self.gradient_checkpointing = gradient_checkpointing
         self._model: torch.nn.Module = base
         if use_lora:
@@ -154,36 +172,25 @@ class Trainer:
             # peft would keep a bf16 base's adapter in fp32; the precision decides instead.
             self._model = get_peft_model(base, config, autocast_adapter_dtype=False)
         self._causal_lm = base  # with LoRA, peft injected its layers into this same module
+        self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
+        if self._shards is not None:  # (the KL reference too)
+            self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
         self._has_reference = reference_model
         self._optimizer = self._new_optimizer()
         self._version = 0
-        self._has_grads = False
-        self._nonfinite_loss = False
+        self._zero_grad()  # no gradients yet
 
     @classmethod
     def from_settings(
         cls,
         model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
         settings: TrainerSettings,
+        group: TrainerGroup | None = None,
     ) -> Trainer:
-        """A trainer built as ``settings`` say (the service factory and the Ray actor)."""
-        return cls(
-            model_path_or_model,
-            use_lora=settings.use_lora,
-            lora_rank=settings.lora_rank,
-            lora_alpha=settings.lora_alpha,
-            lora_dropout=settings.lora_dropout,
-            weight_decay=settings.weight_decay,
-            max_grad_norm=settings.max_grad_norm,
-            micro_batch_tokens=settings.micro_batch_tokens,
-            autocast_bf16=settings.autocast_bf16,
-            gradient_checkpointing=settings.gradient_checkpointing,
-            logprob_chunk_tokens=settings.logprob_chunk_tokens,
-            precision=settings.precision,
-            reference_model=settings.reference_model,
-            seed=settings.seed,
-            device=settings.device,
-        )
+        """A trainer built as ``settings`` say (the service factory and the Ray actors):
+        each of its fields is the constructor argument of the same name."""
+        options = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+        return cls(model_path_or_model, **options, group=group)
 
     # ------------------------------------------------------------ properties
 
@@ -192,7 +199,12 @@ class Trainer:
         """Policy version of the current weights: 0 initially, +1 per applied optim_step."""
         return self._version
 
-    def trainable_parameters(self) -> dict[str, Tensor]:
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 of a sharded trainer (which returns results), or the one process."""
+        return self._shards is None or self._shards.is_main
+
+    def trainable_parameters(self) -> dict[str, Tensor]:  # sharded: this rank's DTensors
         return {n: p for n, p in self._model.named_parameters() if p.requires_grad}
 
     # ------------------------------------------------------------ training API
@@ -205,9 +217,11 @@ class Trainer:
         self._model.eval()
         logprobs_by_sample: list[list[float]] = [[] for _ in samples]
         for batch in self._micro_batches(samples):
-            logprobs, _ = self._token_logprobs(self._causal_lm, batch)
+            logprobs, _ = self._scorer(batch)
             for row, index in enumerate(batch.indices):
                 logprobs_by_sample[index] = logprobs[row, : len(samples[index].tokens)].tolist()
+        if self._shards is not None:  # each rank scored its share
+            return self._shards.gather_rows(logprobs_by_sample)
         return logprobs_by_sample
 
     def forward_backward(
@@ -226,7 +240,7 @@ class Trainer:
         metric_sums: dict[str, float] = {}
         for batch in self._micro_batches(samples):
             reference = self._reference_logprobs(batch) if loss.kl_beta > 0 else None
-            logprobs, entropy_sum = self._token_logprobs(self._causal_lm, batch)
+            logprobs, entropy_sum = self._scorer(batch)
             value, metrics = loss_fn(
                 logprobs, batch.sampler_logprobs, batch.advantages, batch.mask, loss,
                 reference_logprobs=reference, totals=totals,
@@ -237,6 +251,8 @@ class Trainer:
             metrics["loss/entropy"] = entropy_sum / max(tokens, 1e-8)
             for key, mean in metrics.items():  # token-weighted, exact across micro-batches
                 metric_sums[key] = metric_sums.get(key, 0.0) + mean * tokens
+        if self._shards is not None:  # each rank's share of the batch loss and metrics
+            total_loss, metric_sums = self._shards.sum_results(total_loss, metric_sums)
         self._has_grads = True
         self._nonfinite_loss |= not math.isfinite(total_loss)
         denominator = max(totals.num_tokens, 1e-8)
@@ -277,36 +293,42 @@ class Trainer:
 
         With LoRA each adapted weight is W + scale·B·A, computed without merging the
         adapter into the trainable model. Tied embeddings come back under both names
-        (``model.embed_tokens.weight`` and ``lm_head.weight``) as one shared tensor.
-        """
-        return checkpoints.inference_state_dict(self._causal_lm, ADAPTER_NAME)
+        (``model.embed_tokens.weight`` and ``lm_head.weight``) as one shared tensor. Sharded:
+        every rank calls it; rank 0 gets them (on the CPU), the others ``{}``."""
+        tensors = self.inference_tensors()
+        if not self.is_main:
+            collections.deque(tensors, maxlen=0)  # only take part in the gathers
+            return {}
+        offload = self._shards is not None  # a whole model beside the shards may not fit
+        return {n: t.cpu() if offload else t for names, t in tensors for n in names}
 
     def inference_tensors(
         self, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[list[str], Tensor]]:
-        """The merged weights one storage at a time, in ``dtype`` (``checkpoints``)."""
+        """The merged weights one storage at a time, in ``dtype`` (``checkpoints``); sharded,
+        on every rank, each gathered in turn (every rank must go through all of them)."""
+        if self._shards is not None:
+            return self._shards.inference_tensors(self._causal_lm, ADAPTER_NAME, dtype)
         return checkpoints.inference_tensors(self._causal_lm, ADAPTER_NAME, dtype)
 
     def save_inference_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """A folder that ``AutoModelForCausalLM.from_pretrained`` loads (merged for LoRA),
-        with the tokenizer when the trainer has one."""
-        return checkpoints.save_inference_checkpoint(
-            path, self._causal_lm, self.state_dict_for_inference(), self.tokenizer
-        )
+        with the tokenizer when the trainer has one. Sharded: rank 0 writes it."""
+        weights = self.state_dict_for_inference()
+        if self.is_main:
+            checkpoints.save_inference_checkpoint(path, self._causal_lm, weights, self.tokenizer)
+        return Path(path)
 
     # ------------------------------------------------------------ training checkpoints
 
     def save_training_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Trainable weights (all of them, or the adapter), AdamW state, version and torch
-        RNG states: enough to resume bit-for-bit on the same base model (``checkpoints``)."""
+        RNG states: enough to resume bit-for-bit on the same base model (``checkpoints``;
+        sharded: every rank writes its shards, ``sharded_checkpoints``)."""
+        if self._shards is not None:  # (a state dict of FSDP's root reshards it first)
+            return save_sharded_checkpoint(path, self._scorer, self._optimizer, self._meta())
         return checkpoints.save_training_checkpoint(
-            path,
-            self.trainable_parameters(),
-            self._optimizer,
-            version=self._version,
-            use_lora=self.use_lora,
-            lora_settings=self.lora_settings,
-            precision=self.precision,
+            path, self.trainable_parameters(), self._optimizer, self._meta()
         )
 
     def load_training_checkpoint(
@@ -314,29 +336,45 @@ class Trainer:
     ) -> None:
         """Restore a training checkpoint (``load_optimizer=False``: the weights only, with a
         fresh optimizer at version 0: a fork, not a resume). Every file is read and checked
-        first: a damaged or unfitting checkpoint raises and leaves the trainer as it was."""
-        checkpoint = checkpoints.read_training_checkpoint(
-            path, optimizer=load_optimizer, device=str(self.device)
-        )
-        parameters = self.trainable_parameters()
-        checkpoints.check_compatible(
-            checkpoint,
-            use_lora=self.use_lora,
-            lora_settings=self.lora_settings,
-            parameters=parameters,
-            precision=self.precision if load_optimizer else None,
-        )
-        optimizer = self._new_optimizer()
-        if load_optimizer:
-            checkpoints.apply_optimizer_state(checkpoint, optimizer)
-        checkpoints.apply_trainable_weights(checkpoint, parameters)
-        self._optimizer = optimizer
-        self._version = checkpoint.version if load_optimizer else 0
-        if load_optimizer:
-            checkpoints.apply_rng_states(checkpoint)
+        first: a damaged or unfitting checkpoint raises and leaves the trainer as it was.
+        Sharded (DCP) checkpoints of any world size load; a sharded trainer loads no other."""
+        if is_sharded_checkpoint(path):  # (loading FSDP's root reshards it first)
+            load = functools.partial(load_sharded_checkpoint, model=self._scorer)
+        elif self._shards is None:
+            parameters, device = self.trainable_parameters(), str(self.device)
+            load = functools.partial(
+                checkpoints.load_training_checkpoint, parameters=parameters, device=device
+            )
+        else:
+            raise ValueError(
+                f"{path} was saved by a trainer of one process; a sharded trainer "
+                "(num_trainer_workers > 1) resumes from sharded (DCP) checkpoints only"
+            )
+        expected = self._meta() | {"precision": self.precision if load_optimizer else None}
+        self._optimizer, version = load(
+            path, new_optimizer=self._new_optimizer, expected=expected,
+            load_optimizer=load_optimizer,
+        )  # fmt: skip
+        self._version = version if load_optimizer else 0
         self._zero_grad()
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held here (sharded: this rank's shards) of weights, gradients, optimizer."""
+        return held_bytes(self._model, self._optimizer)
+
+    def close(self) -> None:
+        """Leave the process group (sharded); nothing to do for one process."""
+        if self._shards is not None:
+            self._shards.close()
+
     # ------------------------------------------------------------ internals
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint records of this trainer (parameters named as in ``_scorer``)."""
+        names = [n for n, p in self._scorer.named_parameters() if p.requires_grad]
+        lora = self.lora_settings if self.use_lora else None
+        return {"version": self._version, "use_lora": self.use_lora, "lora": lora,
+                "precision": self.precision, "parameter_names": names}  # fmt: skip
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         parameters = list(self.trainable_parameters().values())
@@ -349,52 +387,14 @@ class Trainer:
         self._has_grads = False
         self._nonfinite_loss = False
 
-    def _autocast(self) -> AbstractContextManager[object]:
-        if not self.autocast_bf16:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
-
-    def _token_logprobs(self, model: PreTrainedModel, batch: MicroBatch) -> tuple[Tensor, float]:
-        """[batch, time] fp32 log-probs (0 off the trained positions) and the summed entropy
-        of the trained positions' distributions."""
-        return token_logprobs(
-            model,
-            batch,
-            route=self._route,
-            chunk_tokens=self.logprob_chunk_tokens,
-            autocast=self._autocast(),
-        )
-
     @torch.no_grad()
     def _reference_logprobs(self, batch: MicroBatch) -> Tensor:
         if self._reference is not None:
-            return self._token_logprobs(self._reference, batch)[0]
+            return cast(Tensor, self._reference(batch)[0])
         with cast(PeftModel, self._model).disable_adapter():
-            return self._token_logprobs(self._causal_lm, batch)[0]
+            return cast(Tensor, self._scorer(batch)[0])
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
+        if self._shards is not None:
+            return self._shards.micro_batches(samples, self.micro_batch_tokens, self.device)
         return micro_batches(samples, self.micro_batch_tokens, self.device)
-
-
-# ---------------------------------------------------------------- module helpers
-
-
-def _check_batch_options(
-    micro_batch_tokens: int, logprob_chunk_tokens: int | None, gradient_checkpointing: bool
-) -> None:
-    if micro_batch_tokens < 1:
-        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
-        raise ValueError(f"logprob_chunk_tokens must be >= 1 or None, got {logprob_chunk_tokens}")
-    if not isinstance(gradient_checkpointing, bool):
-        raise ValueError(f"gradient_checkpointing must be a bool, got {gradient_checkpointing!r}")
-
-
-def _enable_gradient_checkpointing(model: PreTrainedModel) -> None:
-    """transformers' per-layer checkpointing, non-reentrant: it preserves dropout's RNG for
-    the recompute, and needs no input that requires grad, so gradients reach a LoRA adapter
-    behind frozen embeddings (transformers still hooks the embeddings to require grad, which
-    only the reentrant variant needs)."""
-    if not model.supports_gradient_checkpointing:
-        raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -18,6 +18,9 @@ Backend = Literal["local", "ray"]
 """Where the trainer and generators run: in this process, or as Ray actors."""
 GenerationEngine = Literal["torch", "vllm"]
 """The generators' sampling engine: ``LocalEngine`` or vLLM."""
+WeightTransport = Literal["auto", "broadcast", "object_store"]
+"""How a Ray service's trainer sends full weights to its generators: a ``torch.distributed``
+broadcast, or Ray's object store; ``"auto"``: broadcast from a sharded trainer."""
 
 Precision = Literal["fp32", "bf16"]
 """The trainer's weights: fp32 (with fp32 gradients and AdamW state), or bf16 weights and
