@@ -21,7 +21,6 @@ The episode holds no tokens (a hosted model's tokens are not ours to train on or
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -42,6 +41,7 @@ from post_training_cookbook.rollout.play import (
     EpisodesInFlight,
     check_env_history,
     derive_seed,
+    play_seeded,
     with_fresh_env,
 )
 from post_training_cookbook.rollout.types import (
@@ -96,14 +96,11 @@ async def play_chat_group(
     params: SamplingParams,
     seed: int | None = None,
 ) -> Group:
-    """``num_episodes`` chat episodes of ``task``, concurrently (``play_group``'s twin)."""
-
-    def play_episode(index: int) -> Awaitable[Episode]:
-        episode_seed = None if seed is None else derive_seed(seed, index)
-        return run_chat_episode(task, runner, params, episode_seed)
-
-    episodes = await asyncio.gather(*(play_episode(index) for index in range(num_episodes)))
-    return Group(task, list(episodes))
+    """``num_episodes`` chat episodes of ``task``, concurrently (as ``play_group``)."""
+    return await play_seeded(
+        task, num_episodes, seed,
+        lambda episode_seed: run_chat_episode(task, runner, params, episode_seed),
+    )  # fmt: skip
 
 
 async def run_chat_episode(

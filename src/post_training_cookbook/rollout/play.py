@@ -121,13 +121,22 @@ async def play_group(
 ) -> Group:
     """``num_episodes`` episodes of ``task``, concurrently; ``seed`` makes them repeatable
     (each episode gets its own derived seed, so they still differ from each other)."""
+    return await play_seeded(
+        task, num_episodes, seed,
+        lambda episode_seed: run_episode(task, runner, params, episode_seed),
+    )  # fmt: skip
 
-    def play_episode(index: int) -> Awaitable[Episode]:
-        episode_seed = None if seed is None else derive_seed(seed, index)
-        return run_episode(task, runner, params, episode_seed)
 
-    episodes = await asyncio.gather(*(play_episode(index) for index in range(num_episodes)))
-    return Group(task, list(episodes))
+async def play_seeded(
+    task: Task,
+    num_episodes: int,
+    seed: int | None,
+    play_episode: Callable[[int | None], Awaitable[Episode]],
+) -> Group:
+    """The group of ``num_episodes`` calls of ``play_episode``, run concurrently, each with
+    its own seed derived from ``seed`` (or None)."""
+    seeds = [None if seed is None else derive_seed(seed, index) for index in range(num_episodes)]
+    return Group(task, list(await asyncio.gather(*(play_episode(s) for s in seeds))))
 
 
 async def play_groups(
