@@ -21,27 +21,23 @@ The episode holds no tokens (a hosted model's tokens are not ours to train on or
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.rollout.guards import (
     EnvFault,
-    call_env,
-    checked_messages,
-    checked_step,
     env_property,
-    new_messages,
 )
 from post_training_cookbook.rollout.play import (
     BuildsEnvs,
     EpisodesInFlight,
-    check_env_history,
     derive_seed,
     play_seeded,
+    reset_env,
+    step_env,
     with_fresh_env,
 )
 from post_training_cookbook.rollout.types import (
@@ -122,16 +118,8 @@ async def run_chat_episode(
 async def _play_chat(
     episode: Episode, env: Env, runner: ChatRunner, params: SamplingParams, seed: int | None
 ) -> None:
-    task, limits = episode.task, runner.limits
-
-    def env_call(start: Callable[[], Any], what: str) -> Awaitable[Any]:
-        label = f"env.{what} of task {task.prompt[:80]!r}, turn {episode.num_turns}"
-        return call_env(start, what, limits.env_step_timeout_s, label)
-
-    opening = checked_messages(
-        await env_call(lambda: env.reset(task), "reset"), "env.reset's return"
-    )
-    episode.messages = list(opening)
+    limits = runner.limits
+    opening = await reset_env(episode, env, limits)
     tools = list(env_property(env, "tool_specs") or [])
     conversation = list(opening)
     usage = _Usage()
@@ -152,16 +140,8 @@ async def _play_chat(
             episode.reward = limits.failed_parse_reward
             episode.truncation = TruncationCause.PARSE_FAILURE
             break
-        result = checked_step(await env_call(functools.partial(env.step, turn.message), "step"))
-        returned = checked_messages(result.messages, "StepResult.messages")
-        conversation.append(turn.message)
-        added = new_messages(conversation, returned)
-        check_env_history(env_property(env, "messages"), returned)
-        episode.messages = list(returned)
-        episode.reward = float(result.reward)
-        episode.metrics = {key: float(value) for key, value in result.metrics.items()}
-        if result.terminated or result.truncated:
-            episode.truncation = None if result.terminated else TruncationCause.ENV
+        added = await step_env(episode, env, turn.message, conversation, limits)
+        if added is None:  # the env ended the episode
             break
         conversation += added
     episode.endpoint_usage = EndpointUsage(usage.last, usage.completion)

@@ -256,16 +256,8 @@ async def _play(
 ) -> None:
     """The rollout core: render → sample → parse → step → record, until the env or a limit
     ends the episode. Env trouble raises ``EnvFault``; ``run_episode`` handles it."""
-    task, codec, limits = episode.task, runner.codec, runner.limits
-
-    def env_call(start: Callable[[], Any], what: str) -> Awaitable[Any]:
-        label = f"env.{what} of task {task.prompt[:80]!r}, turn {episode.num_turns}"
-        return call_env(start, what, limits.env_step_timeout_s, label)
-
-    opening = checked_messages(
-        await env_call(lambda: env.reset(task), "reset"), "env.reset's return"
-    )
-    episode.messages = list(opening)
+    codec, limits = runner.codec, runner.limits
+    opening = await reset_env(episode, env, limits)
     tools = env_property(env, "tool_specs")
     episode.add_forced(codec.render_prompt(opening, tools))
     conversation = list(opening)  # what the tokens hold so far
@@ -292,17 +284,8 @@ async def _play(
             episode.reward = limits.failed_parse_reward
             episode.truncation = TruncationCause.PARSE_FAILURE
             return
-        message = parsed.message
-        result = checked_step(await env_call(functools.partial(env.step, message), "step"))
-        returned = checked_messages(result.messages, "StepResult.messages")
-        conversation.append(message)
-        added = new_messages(conversation, returned)
-        check_env_history(env_property(env, "messages"), returned)
-        episode.messages = list(returned)
-        episode.reward = float(result.reward)
-        episode.metrics = {key: float(value) for key, value in result.metrics.items()}
-        if result.terminated or result.truncated:
-            episode.truncation = None if result.terminated else TruncationCause.ENV
+        added = await step_env(episode, env, parsed.message, conversation, limits)
+        if added is None:  # the env ended the episode
             return
         room = limits.max_model_length - len(episode.tokens)
         if _surely_longer_than(added, room, codec):
@@ -314,6 +297,47 @@ async def _play(
             return
         episode.add_forced(extension)
         conversation += added
+
+
+def _env_call(
+    episode: Episode, limits: EpisodeLimits, start: Callable[[], Any], what: str
+) -> Awaitable[Any]:
+    """``start()`` (an env method) under the step timeout, named by task and turn."""
+    label = f"env.{what} of task {episode.task.prompt[:80]!r}, turn {episode.num_turns}"
+    return call_env(start, what, limits.env_step_timeout_s, label)
+
+
+async def reset_env(episode: Episode, env: Env, limits: EpisodeLimits) -> list[Message]:
+    """``env.reset``'s opening messages, checked, and recorded as the episode's messages."""
+    reset = _env_call(episode, limits, lambda: env.reset(episode.task), "reset")
+    opening = checked_messages(await reset, "env.reset's return")
+    episode.messages = list(opening)
+    return opening
+
+
+async def step_env(
+    episode: Episode,
+    env: Env,
+    message: Message,
+    conversation: list[Message],
+    limits: EpisodeLimits,
+) -> list[Message] | None:
+    """Step ``env`` with the model's ``message`` (appended to ``conversation``), record the
+    conversation, reward and metrics it returns; the messages it added after ``message``, or
+    None when it ended the episode (``truncation`` set)."""
+    step = _env_call(episode, limits, functools.partial(env.step, message), "step")
+    result = checked_step(await step)
+    returned = checked_messages(result.messages, "StepResult.messages")
+    conversation.append(message)
+    added = new_messages(conversation, returned)
+    check_env_history(env_property(env, "messages"), returned)
+    episode.messages = list(returned)
+    episode.reward = float(result.reward)
+    episode.metrics = {key: float(value) for key, value in result.metrics.items()}
+    if result.terminated or result.truncated:
+        episode.truncation = None if result.terminated else TruncationCause.ENV
+        return None
+    return added
 
 
 def derive_seed(*parts: int | str) -> int:
