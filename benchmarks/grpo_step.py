@@ -28,7 +28,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.service.local import LocalModelService
-from post_training_cookbook.service.types import LossConfig, TrainerSettings, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 QWEN3_1_7B = {
     "vocab_size": 151_936,

@@ -50,8 +50,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from post_training_cookbook.service.trainer import Trainer
-from post_training_cookbook.service.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 # Qwen2.5-0.5B's config.json, except num_hidden_layers (--layers).
 QWEN25_05B = {
@@ -205,7 +205,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.2f}"
     )
     if device.type == "cpu":
-        from post_training_cookbook.service.precision import bf16_autocast_is_fast
+        from post_training_cookbook.trainer.precision import bf16_autocast_is_fast
 
         print(f"fp32 variants under bf16 autocast: {bf16_autocast_is_fast(device)}")
     rows = [run_variant(variant, argv) for variant in args.variants]

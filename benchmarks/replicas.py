@@ -35,7 +35,7 @@ from post_training_cookbook.rollout import (
 )
 from post_training_cookbook.service.ray import RayModelService
 from post_training_cookbook.service.ray_env import init_local_ray
-from post_training_cookbook.service.types import TrainerSettings
+from post_training_cookbook.trainer.types import TrainerSettings
 
 BENCH_ENV = {**VLLM_ENV_DEFAULTS, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 """vLLM's loopback-only, in-process defaults, and no hub access; Ray's workers inherit it."""

@@ -45,9 +45,9 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from post_training_cookbook.service.sharded import TrainerGroup
-from post_training_cookbook.service.trainer import Trainer
-from post_training_cookbook.service.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.sharded import TrainerGroup
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 VOCAB = 32000
 

@@ -38,7 +38,7 @@ from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolU
 from post_training_cookbook.envs.tool_use_game.teacher import ORACLE, play_episode
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.service import LocalModelService
-from post_training_cookbook.service.types import TrainingSample
+from post_training_cookbook.trainer.types import TrainingSample
 from post_training_cookbook.types import Message, ToolSpec
 
 SPECIAL_TOKENS = [
@@ -392,7 +392,7 @@ def pause_in_checkpoint(monkeypatch: Any, where: str, flag: Path) -> None:
 def slow_checkpoints(monkeypatch: Any, seconds: float) -> None:
     """Make every checkpoint file write and folder rename take ``seconds`` longer, so that
     kills at random moments often land inside a checkpoint's save."""
-    from post_training_cookbook.service import checkpoints
+    from post_training_cookbook.trainer import checkpoints
 
     save_file, rename = checkpoints.save_file, os.rename
 

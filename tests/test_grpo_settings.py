@@ -8,7 +8,7 @@ import pytest
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import LearningRateSchedule, RunSettings
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
-from post_training_cookbook.service.types import LossConfig, TrainerSettings
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
 
 
 def settings_of(**fields) -> RunSettings:

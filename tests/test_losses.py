@@ -18,7 +18,8 @@ import math
 import pytest
 import torch
 
-from post_training_cookbook.service.losses import (
+from post_training_cookbook.service.types import WeightSyncType
+from post_training_cookbook.trainer.losses import (
     BatchTotals,
     LossFn,
     cispo_loss,
@@ -28,11 +29,7 @@ from post_training_cookbook.service.losses import (
     grpo_loss,
     gspo_loss,
 )
-from post_training_cookbook.service.types import (
-    LossConfig,
-    TrainingSample,
-    WeightSyncType,
-)
+from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 MASK = [[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]]
 ADVANTAGES = [[0.0, 1.0, 1.0, 0.0], [0.0, -2.0, -2.0, -2.0]]

@@ -21,7 +21,8 @@ from test_service import make_service, mean_abs_gap, sample_episodes
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from post_training_cookbook.engine.fast_decode import FusedDecodeStep
-from post_training_cookbook.service import LossConfig, WeightSyncType
+from post_training_cookbook.service import WeightSyncType
+from post_training_cookbook.trainer.types import LossConfig
 
 
 @pytest.fixture(scope="module")

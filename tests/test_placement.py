@@ -18,8 +18,9 @@ from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import resolve_model
-from post_training_cookbook.service import LocalModelService, TrainerSettings, open_service
+from post_training_cookbook.service import LocalModelService, open_service
 from post_training_cookbook.service.factory import resolve_device
+from post_training_cookbook.trainer.types import TrainerSettings
 
 
 def service_spec(model_dir: Path, tmp_path: Path, **fields):
@@ -114,7 +115,7 @@ def test_engine_weights_after_a_step_are_the_trainers_merged_weights_in_the_engi
     service = LocalModelService.create(info, settings, engine_dtype=torch.bfloat16)
 
     async def one_step() -> None:
-        from post_training_cookbook.service.types import LossConfig, TrainingSample
+        from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
         tokens = list(range(3, 40))
         ones = [0.0] + [1.0] * (len(tokens) - 1)

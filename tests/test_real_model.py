@@ -50,12 +50,8 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import ModelInfo, resolve_model
 from post_training_cookbook.models.loading import load_codec
-from post_training_cookbook.service import (
-    LocalModelService,
-    LossConfig,
-    TrainerSettings,
-    TrainingSample,
-)
+from post_training_cookbook.service import LocalModelService
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 from post_training_cookbook.types import Message
 
 pytestmark = pytest.mark.heavy

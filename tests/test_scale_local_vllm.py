@@ -26,7 +26,7 @@ import torch
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.models import resolve_model
 from post_training_cookbook.service.local import LocalModelService
-from post_training_cookbook.service.types import LossConfig, TrainerSettings, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 from post_training_cookbook.service.types import WeightSyncType as Sync
 
 info = resolve_model(sys.argv[1], codec="hermes")

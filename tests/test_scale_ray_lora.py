@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.models.catalog import resolve_model
 from post_training_cookbook.service.ray import RayModelService
-from post_training_cookbook.service.types import LossConfig, TrainerSettings, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 pytestmark = scale
 PROBE = list(range(3, 60))

@@ -42,7 +42,7 @@ from post_training_cookbook.service.ray import (
     WeightSyncTimeoutError,
     WorkerDiedError,
 )
-from post_training_cookbook.service.types import LossConfig, TrainerSettings, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 pytestmark = scale
 TASKS = list(TOOL_USE_GAME_TASKS[:64])

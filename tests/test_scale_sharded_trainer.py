@@ -42,9 +42,9 @@ from post_training_cookbook.files import BadFileError
 from post_training_cookbook.models.catalog import resolve_model
 from post_training_cookbook.service import ray_startup
 from post_training_cookbook.service.ray import RayModelService, WorkerDiedError
-from post_training_cookbook.service.sharded import TrainerGroup
-from post_training_cookbook.service.trainer import Trainer
-from post_training_cookbook.service.types import (
+from post_training_cookbook.trainer.sharded import TrainerGroup
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,

@@ -10,13 +10,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.models import resolve_model
-from post_training_cookbook.service import (
-    LocalModelService,
-    LossConfig,
-    TrainerSettings,
-    TrainingSample,
-    WeightSyncType,
-)
+from post_training_cookbook.service import LocalModelService, WeightSyncType
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.models.catalog import resolve_model
 from post_training_cookbook.service.factory import ServiceSpec
-from post_training_cookbook.service.sharded import decoder_layers, split_across_ranks
-from post_training_cookbook.service.types import TrainerSettings
 from post_training_cookbook.service.weight_broadcast import WeightGroup
+from post_training_cookbook.trainer.sharded import decoder_layers, split_across_ranks
+from post_training_cookbook.trainer.types import TrainerSettings
 
 # ---------------------------------------------------------------- batch splitting
 

@@ -14,9 +14,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from post_training_cookbook.files import BadFileError
-from post_training_cookbook.service.precision import bf16_autocast_is_fast
-from post_training_cookbook.service.trainer import Trainer
-from post_training_cookbook.service.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.precision import bf16_autocast_is_fast
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 VOCAB = 256
 GRPO = LossConfig(loss_type="grpo")

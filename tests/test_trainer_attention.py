@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from post_training_cookbook.service import attention
+from post_training_cookbook.trainer import attention
 
 
 def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:

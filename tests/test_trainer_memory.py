@@ -32,10 +32,10 @@ from test_trainer import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from post_training_cookbook.service.logprobs import _Fp32Linear
-from post_training_cookbook.service.precision import MasterWeightAdamW
-from post_training_cookbook.service.trainer import Trainer
-from post_training_cookbook.service.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.logprobs import _Fp32Linear
+from post_training_cookbook.trainer.precision import MasterWeightAdamW
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 HIDDEN = 64  # tiny_model's hidden size
 LOSS = LossConfig(loss_type="grpo", kl_beta=0.05, tis_cap=2.0)

@@ -100,7 +100,7 @@ def load_eval_weights(model: EvalModel, dtype: torch.dtype | None = None) -> Pre
 
 
 def _checkpoint_weights(model: EvalModel) -> dict[str, Tensor]:
-    from post_training_cookbook.service.trainer import Trainer
+    from post_training_cookbook.trainer.trainer import Trainer
 
     assert model.checkpoint is not None and model.run_config is not None
     config = model.run_config

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from post_training_cookbook.rollout import Episode, Group, TruncationCause, has_reward_variance
-from post_training_cookbook.service.types import TrainingSample
+from post_training_cookbook.trainer.types import TrainingSample
 
 AdvantageNormalization = Literal["mean", "mean_std"]
 PENALISED_CAUSES = (TruncationCause.CONTEXT_OVERFLOW, TruncationCause.MAX_TURNS)

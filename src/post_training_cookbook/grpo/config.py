@@ -76,11 +76,10 @@ from post_training_cookbook.rollout.types import EnvErrorPolicy
 from post_training_cookbook.service.types import (
     Backend,
     GenerationEngine,
-    LossType,
-    Precision,
     WeightSyncType,
     WeightTransport,
 )
+from post_training_cookbook.trainer.types import LossType, Precision
 
 if TYPE_CHECKING:
     from collections.abc import Mapping

@@ -18,12 +18,8 @@ from post_training_cookbook.grpo.validation import loss_config_of
 from post_training_cookbook.models.catalog import ModelInfo, check_codec_options
 from post_training_cookbook.rollout import EpisodeLimits
 from post_training_cookbook.service.factory import ServiceSpec
-from post_training_cookbook.service.types import (
-    LossConfig,
-    TrainerSettings,
-    VLLMSettings,
-    WeightSyncType,
-)
+from post_training_cookbook.service.types import VLLMSettings, WeightSyncType
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
 
 _SHAPES: dict[str, Callable[[float], float]] = {
     "constant": lambda progress: 1.0,

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from post_training_cookbook.service.types import LossConfig, WeightSyncType
+from post_training_cookbook.service.types import WeightSyncType
+from post_training_cookbook.trainer.types import LossConfig
 
 if TYPE_CHECKING:
     from post_training_cookbook.grpo.config import GRPOConfig

@@ -1,8 +1,9 @@
 """The service layer: a trainer and generators behind one interface (``ModelService``).
 
-``factory.open_service`` builds one from a ``ServiceSpec``. The records (``types``) and the
-factory import without torch; the implementations (``LocalModelService``, ``Trainer``) are
-imported on first use.
+``factory.open_service`` builds one from a ``ServiceSpec``. The trainer itself, its records
+(``TrainingSample``, ``LossConfig``, ``TrainerSettings``, results) and its losses live one
+floor down, in ``trainer/``. The interface and the factory import without torch;
+``LocalModelService`` is imported on first use.
 """
 
 from __future__ import annotations
@@ -10,44 +11,36 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, open_service
-from post_training_cookbook.service.types import (
-    ForwardBackwardResult,
-    LossConfig,
-    OptimStepResult,
-    PolicyState,
-    TrainerSettings,
-    TrainingSample,
-    WeightSyncType,
-)
+from post_training_cookbook.service.types import PolicyState, WeightSyncType
 
 if TYPE_CHECKING:
     from post_training_cookbook.service.local import LocalModelService
-    from post_training_cookbook.service.trainer import Trainer
 
-_LAZY = {
-    "LocalModelService": "post_training_cookbook.service.local",
-    "Trainer": "post_training_cookbook.service.trainer",
+_MOVED_TO_TRAINER = {
+    "ForwardBackwardResult": "post_training_cookbook.trainer.types",
+    "LossConfig": "post_training_cookbook.trainer.types",
+    "OptimStepResult": "post_training_cookbook.trainer.types",
+    "TrainerSettings": "post_training_cookbook.trainer.types",
+    "TrainingSample": "post_training_cookbook.trainer.types",
+    "Trainer": "post_training_cookbook.trainer.trainer",
 }
 
 __all__ = [
-    "ForwardBackwardResult",
     "LocalModelService",
-    "LossConfig",
     "ModelService",
-    "OptimStepResult",
     "PolicyState",
     "ServiceSpec",
-    "Trainer",
-    "TrainerSettings",
-    "TrainingSample",
     "WeightSyncType",
     "open_service",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "LocalModelService":
+        return importlib.import_module("post_training_cookbook.service.local").LocalModelService
+    if name in _MOVED_TO_TRAINER:
+        return moved_name(__name__, name, _MOVED_TO_TRAINER[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,13 +18,12 @@ import time
 from collections.abc import Iterator, Sequence
 
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
-from post_training_cookbook.service.types import (
+from post_training_cookbook.service.types import PolicyState, WeightSyncType
+from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,
-    PolicyState,
     TrainingSample,
-    WeightSyncType,
 )
 
 PathLike = str | os.PathLike[str]

@@ -16,10 +16,10 @@ from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.service.types import (
     Backend,
     GenerationEngine,
-    TrainerSettings,
     VLLMSettings,
     WeightTransport,
 )
+from post_training_cookbook.trainer.types import TrainerSettings
 
 if TYPE_CHECKING:
     from post_training_cookbook.service.base import ModelService
@@ -50,7 +50,7 @@ class ServiceSpec:
     """``backend="ray"``: GPUs Ray reserves for each generator actor."""
     num_trainer_workers: int = 1
     """``backend="ray"``: trainer processes; more than 1 shard the model across them (FSDP2,
-    ``service/sharded.py``), each reserving ``num_gpus_per_trainer``."""
+    ``trainer/sharded.py``), each reserving ``num_gpus_per_trainer``."""
     collective_timeout_s: float = 600.0
     """A sharded trainer's collective (and its start) raises once it waited this long."""
     weight_transport: WeightTransport = "auto"

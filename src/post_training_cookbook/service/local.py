@@ -38,16 +38,14 @@ from post_training_cookbook.engine.types import SampledSequence, SamplingParams,
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_model
 from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
-from post_training_cookbook.service.trainer import Trainer
-from post_training_cookbook.service.types import (
+from post_training_cookbook.service.types import GenerationEngine, PolicyState, WeightSyncType
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
-    GenerationEngine,
     LossConfig,
     OptimStepResult,
-    PolicyState,
     TrainerSettings,
     TrainingSample,
-    WeightSyncType,
 )
 
 _P = ParamSpec("_P")

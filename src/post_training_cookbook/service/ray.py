@@ -56,15 +56,17 @@ from post_training_cookbook.service.ray_startup import (
 )
 from post_training_cookbook.service.routing import PrefixRouter
 from post_training_cookbook.service.types import (
-    ForwardBackwardResult,
     GenerationEngine,
-    LossConfig,
-    OptimStepResult,
     PolicyState,
-    TrainerSettings,
-    TrainingSample,
     WeightSyncType,
     WeightTransport,
+)
+from post_training_cookbook.trainer.types import (
+    ForwardBackwardResult,
+    LossConfig,
+    OptimStepResult,
+    TrainerSettings,
+    TrainingSample,
 )
 
 

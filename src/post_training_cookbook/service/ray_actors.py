@@ -23,17 +23,17 @@ from typing import Any, Protocol
 import torch
 
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
-from post_training_cookbook.service.sharded import TrainerGroup, full_tensor
-from post_training_cookbook.service.trainer import ADAPTER_NAME, Trainer
-from post_training_cookbook.service.types import (
+from post_training_cookbook.service.types import GenerationEngine
+from post_training_cookbook.service.weight_broadcast import WeightGroup
+from post_training_cookbook.trainer.sharded import TrainerGroup, full_tensor
+from post_training_cookbook.trainer.trainer import ADAPTER_NAME, Trainer
+from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
-    GenerationEngine,
     LossConfig,
     OptimStepResult,
     TrainerSettings,
     TrainingSample,
 )
-from post_training_cookbook.service.weight_broadcast import WeightGroup
 
 
 def process_identity() -> dict[str, Any]:

@@ -26,7 +26,8 @@ from typing import Any
 
 from post_training_cookbook.service.ray_actors import EngineSpec, GeneratorWorker, TrainerWorker
 from post_training_cookbook.service.ray_env import connect_ray, init_local_ray
-from post_training_cookbook.service.types import GenerationEngine, TrainerSettings, WeightTransport
+from post_training_cookbook.service.types import GenerationEngine, WeightTransport
+from post_training_cookbook.trainer.types import TrainerSettings
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,14 @@
-"""Records that cross the service edge: training samples in, loss and step results out.
-
-A ``TrainingSample`` is one whole episode, token-aligned: position ``i`` describes
-``tokens[i]`` predicted from ``tokens[:i]``, so position 0 (nothing to predict from) is
-always masked.
+"""Records that cross the service edge beyond the trainer's own (``trainer/types.py``): where
+the service runs, how weights reach the generators, the policy's version state, vLLM options.
 """
 
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import dataclass, field
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Literal
 
+from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.engine.types import WeightsMode
 
 Backend = Literal["local", "ray"]
@@ -21,99 +18,6 @@ GenerationEngine = Literal["torch", "vllm"]
 WeightTransport = Literal["auto", "broadcast", "object_store"]
 """How a Ray service's trainer sends full weights to its generators: a ``torch.distributed``
 broadcast, or Ray's object store; ``"auto"``: broadcast from a sharded trainer."""
-
-Precision = Literal["fp32", "bf16"]
-"""The trainer's weights: fp32 (with fp32 gradients and AdamW state), or bf16 weights and
-gradients with an fp32 master copy and moments in the optimizer (``service/precision.py``)."""
-
-LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
-LOSS_TYPES: tuple[str, ...] = get_args(LossType)
-
-
-@dataclass
-class TrainingSample:
-    tokens: list[int]
-    """The whole episode: prompt, sampled turns, tool results, template glue."""
-    mask: list[float]
-    """1.0 on sampled (trained) tokens, 0.0 on forced ones; ``mask[0]`` must be 0."""
-    sampler_logprobs: list[float]
-    """Behaviour-policy log p of each token, as recorded when it was sampled; 0 where mask 0."""
-    advantages: list[float]
-    """Per-token advantage (usually the episode's on every sampled token); 0 where mask 0."""
-
-    def __post_init__(self) -> None:
-        length = len(self.tokens)
-        if length == 0:
-            raise ValueError("tokens is empty")
-        for name in ("mask", "sampler_logprobs", "advantages"):
-            if len(getattr(self, name)) != length:
-                raise ValueError(
-                    f"{name} has {len(getattr(self, name))} entries but tokens has {length}"
-                )
-        if self.mask[0] != 0.0:
-            raise ValueError("mask[0] must be 0: the first token has no context to predict it")
-        if any(m < 0.0 for m in self.mask):
-            raise ValueError("mask entries must be >= 0")
-
-    @property
-    def num_trained_tokens(self) -> int:
-        return sum(1 for m in self.mask if m > 0.0)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Which policy-gradient loss to use and its knobs; formulas in ``docs/losses.md``."""
-
-    loss_type: LossType = "grpo"
-    clip_low: float = 0.2
-    """The ratio is clipped below at ``1 - clip_low`` (CISPO has no lower clip and ignores it)."""
-    clip_high: float = 0.2
-    """The ratio is clipped above at ``1 + clip_high``: DAPO's clip-higher uses 0.28, GSPO ~4e-4,
-    CISPO caps its stop-gradient weight at ``1 + clip_high`` (MiniMax-M1 tunes it much larger)."""
-    kl_beta: float = 0.0
-    """Weight of the k3 KL estimate to a frozen reference policy; 0 turns it off."""
-    tis_cap: float | None = None
-    """Truncated importance sampling: when set, ratios are taken against the trainer's own
-    pre-update log-probabilities and every term is weighted by
-    ``min(exp(logp_trainer_old - logp_sampler), tis_cap)`` (stop-gradient). None turns it off."""
-    dr_grpo_horizon: int | None = None
-    """Dr. GRPO's fixed horizon: the per-sequence token sum is divided by it. None uses the
-    largest number of trained tokens of any sequence in the batch; set it to the generation
-    budget (e.g. max_turns × max_tokens) for a constant that does not move between batches."""
-
-    def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if not 0.0 <= self.clip_low <= 1.0:
-            raise ValueError(f"clip_low must be in [0, 1], got {self.clip_low}")
-        if not 0.0 <= self.clip_high < math.inf:
-            raise ValueError(f"clip_high must be a finite value >= 0, got {self.clip_high}")
-        if not 0.0 <= self.kl_beta < math.inf:
-            raise ValueError(f"kl_beta must be a finite value >= 0, got {self.kl_beta}")
-        if self.tis_cap is not None and not 0.0 < self.tis_cap < math.inf:
-            raise ValueError(f"tis_cap must be a finite value > 0 or None, got {self.tis_cap}")
-        if self.dr_grpo_horizon is not None and self.dr_grpo_horizon < 1:
-            raise ValueError(f"dr_grpo_horizon must be >= 1 or None, got {self.dr_grpo_horizon}")
-
-
-@dataclass(frozen=True)
-class ForwardBackwardResult:
-    loss: float
-    """The batch loss (the sum of the micro-batches' shares, each already batch-normalised)."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    num_tokens: int = 0
-    """Trained (mask > 0) tokens in the batch."""
-
-
-@dataclass(frozen=True)
-class OptimStepResult:
-    version: int
-    """Policy version after the step: 0 = initial weights, +1 per applied step."""
-    grad_norm: float
-    """Total gradient norm before clipping (nan/inf when the step was skipped for that)."""
-    skipped: bool
-    """True when a non-finite loss or gradient made the step a no-op."""
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -184,29 +88,21 @@ class VLLMSettings:
         return options
 
 
-@dataclass(frozen=True)
-class TrainerSettings:
-    """How the trainer is built: what it trains and how it steps (``Trainer.from_settings``).
+_MOVED_TO_TRAINER = frozenset(
+    {
+        "ForwardBackwardResult",
+        "LOSS_TYPES",
+        "LossConfig",
+        "LossType",
+        "OptimStepResult",
+        "Precision",
+        "TrainerSettings",
+        "TrainingSample",
+    }
+)
 
-    Defaults are ``Trainer``'s own; ``GRPOConfig`` fields of the same names set them for a run.
-    """
 
-    use_lora: bool = True
-    lora_rank: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    """None turns clipping off."""
-    micro_batch_tokens: int = 4096
-    gradient_checkpointing: bool = False
-    logprob_chunk_tokens: int | None = 1024
-    """Trained positions whose vocabulary-sized log-softmax exists at once (None: all)."""
-    precision: Precision = "fp32"
-    reference_model: bool = False
-    """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
-    autocast_bf16: bool | None = None
-    """None: bf16 autocast where the hardware makes it fast."""
-    seed: int | None = None
-    device: str | None = None
-    """``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; None: CUDA when present, else the CPU."""
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_TRAINER:
+        return moved_name(__name__, name, "post_training_cookbook.trainer.types")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from post_training_cookbook.service.sharded import keep_on_loopback
+from post_training_cookbook.trainer.sharded import keep_on_loopback
 
 
 class WeightGroup:

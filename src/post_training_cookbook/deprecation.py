@@ -1,0 +1,33 @@
+"""Old import paths kept for one release: each warns and hands back the module or record
+that now lives elsewhere."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from types import ModuleType
+
+
+def moved_module(old: str, new: str) -> ModuleType:
+    """Make ``old`` an alias of the module ``new`` (the same object, private names included),
+    warning once that the path moved."""
+    warnings.warn(
+        f"{old} moved to {new}; the old path goes away in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    module = importlib.import_module(new)
+    sys.modules[old] = module
+    return module
+
+
+def moved_name(old_module: str, name: str, new_module: str) -> object:
+    """``old_module.name``, now ``new_module.name``, with a warning."""
+    warnings.warn(
+        f"{old_module}.{name} moved to {new_module}.{name}; "
+        "the old path goes away in the next release",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return getattr(importlib.import_module(new_module), name)

@@ -1,0 +1,47 @@
+"""The trainer: one causal LM (full weight or LoRA), its losses and one AdamW step.
+
+Below the service layer: ``service/`` puts a trainer behind ``ModelService`` (in this process
+or as Ray actors); the trainer knows nothing of generators or weight sync. Modules:
+``trainer`` (``Trainer``: forward_backward, optim_step, checkpoints), ``logprobs`` (token
+log-probabilities of micro-batches), ``losses`` (the policy-gradient losses), ``precision``
+(bf16 weights with fp32 masters), ``attention`` (the CPU attention choice), ``checkpoints``,
+``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks and their DCP checkpoints). The records
+(``types``) import without torch; ``Trainer`` is imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from post_training_cookbook.trainer.types import (
+    LOSS_TYPES,
+    ForwardBackwardResult,
+    LossConfig,
+    LossType,
+    OptimStepResult,
+    Precision,
+    TrainerSettings,
+    TrainingSample,
+)
+
+if TYPE_CHECKING:
+    from post_training_cookbook.trainer.trainer import Trainer
+
+__all__ = [
+    "LOSS_TYPES",
+    "ForwardBackwardResult",
+    "LossConfig",
+    "LossType",
+    "OptimStepResult",
+    "Precision",
+    "Trainer",
+    "TrainerSettings",
+    "TrainingSample",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Trainer":
+        return importlib.import_module("post_training_cookbook.trainer.trainer").Trainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

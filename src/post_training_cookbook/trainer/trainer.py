@@ -1,0 +1,400 @@
+"""The trainer behind the service: one causal LM (full weight or LoRA) and one AdamW.
+
+``forward_backward`` accumulates gradients of a policy-gradient loss over micro-batches;
+``optim_step`` applies them and bumps the policy version (0 = initial weights);
+``state_dict_for_inference`` hands merged weights to a generator; checkpoints save and
+restore all of it (their files are written and read in ``checkpoints``). Where it departs
+from a plain HF training step, and why:
+
+- Log-probabilities are computed only at trained positions, in chunks of positions
+  (``logprobs.py``): the decoder's hidden states are gathered there before the LM head,
+  which is a large share of a small model's step, and no [positions × vocabulary] fp32
+  tensor for a whole micro-batch exists.
+- The decoder runs under bf16 autocast where the hardware makes that fast; the LM head and
+  log-softmax run in fp32, since ratios are differences of log-probabilities.
+- Memory savings are constructor options: gradient checkpointing, the log-probability
+  chunk, and bf16 weights with fp32 optimizer state (``precision.py``).
+- On CPU, attention over short rows is plain matmul + softmax instead of SDPA, whose
+  backward is slower there (``attention.py``).
+- Micro-batches group rows of similar length (``batching.py``), so padding stays small.
+- Each micro-batch's loss is already its share of the whole batch's loss, so gradients do
+  not depend on how the batch was split (see ``losses.BatchTotals``).
+- A non-finite loss or gradient turns ``optim_step`` into a reported no-op.
+- Given a ``TrainerGroup`` it is one rank of a sharded trainer (FSDP2, ``sharded.py``).
+
+What these choices measured, on which machine: ``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from post_training_cookbook.models.loading import (
+    enable_gradient_checkpointing,
+    load_causal_lm,
+    load_tokenizer_if_any,
+)
+from post_training_cookbook.trainer import attention, checkpoints
+from post_training_cookbook.trainer.logprobs import (
+    MicroBatch,
+    TokenLogprobs,
+    batch_totals,
+    check_batch_options,
+    choose_route,
+    micro_batches,
+)
+from post_training_cookbook.trainer.losses import get_loss_fn
+from post_training_cookbook.trainer.precision import (
+    WEIGHT_DTYPES,
+    Precision,
+    bf16_autocast_is_fast,
+    check_precision,
+    clip_gradients,
+    new_optimizer,
+)
+from post_training_cookbook.trainer.sharded import Shards, TrainerGroup, held_bytes
+from post_training_cookbook.trainer.sharded_checkpoints import (
+    is_sharded_checkpoint,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+)
+from post_training_cookbook.trainer.types import (
+    ForwardBackwardResult,
+    LossConfig,
+    OptimStepResult,
+    TrainerSettings,
+    TrainingSample,
+)
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_NAME = "default"  # peft's name for the single adapter get_peft_model creates
+
+
+class Trainer:
+    def __init__(
+        self,
+        model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
+        *,
+        use_lora: bool,
+        lora_rank: int = 16,
+        lora_alpha: int = 32,
+        lora_dropout: float = 0.0,
+        lora_target_modules: Sequence[str] = DEFAULT_LORA_TARGETS,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float | None = 1.0,
+        micro_batch_tokens: int = 4096,
+        autocast_bf16: bool | None = None,
+        gradient_checkpointing: bool = False,
+        logprob_chunk_tokens: int | None = 1024,
+        precision: Precision = "fp32",
+        reference_model: bool = False,
+        seed: int | None = None,
+        tokenizer: Any = None,
+        device: str | torch.device | None = None,
+        group: TrainerGroup | None = None,
+    ) -> None:
+        """Load the model (from a path, or a given model, which is cast to ``precision``'s
+        dtype and trained in place) and set up AdamW.
+
+        ``max_grad_norm=None`` turns clipping off. ``micro_batch_tokens`` bounds a
+        micro-batch's padded size (rows × longest row); a longer sample gets its own, and rows
+        under 3/4 of a micro-batch's longest start another (padding under a quarter).
+        ``autocast_bf16=None`` turns bf16 autocast on where it is fast (with fp32 weights).
+
+        Memory (formulas and a table per model size in ``docs/models.md``):
+        ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
+        small models on a CPU are short of time, not memory); ``logprob_chunk_tokens`` is how
+        many trained positions' vocabulary-sized tensors exist at once (None: all);
+        ``precision`` is ``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master
+        copy and moments in the optimizer (``precision.py``). ``reference_model``
+        keeps the initial policy for the KL term: a frozen copy for full weight, the base
+        with the adapter disabled for LoRA (no copy). ``tokenizer`` (default: the model
+        path's) is saved with inference checkpoints. ``forward_backward`` runs in train mode
+        (LoRA dropout applies), ``forward`` in eval mode. ``group``: this process is one
+        rank of a sharded trainer (``sharded.py``); it joins the group before loading.
+        """
+        check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
+        if seed is not None:
+            torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.precision = check_precision(precision, self.device)
+        self._shards = Shards(group, self.device) if group is not None else None
+        dtype = WEIGHT_DTYPES[self.precision]
+        base = load_causal_lm(model_path_or_model, dtype)
+        cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
+        attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
+        if tokenizer is None:
+            tokenizer = load_tokenizer_if_any(model_path_or_model)
+        self.tokenizer = tokenizer
+        self.use_lora = use_lora
+        self.lora_settings = {
+            "rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout,
+            "target_modules": sorted(lora_target_modules),
+        }  # fmt: skip
+        self.betas = betas
+        self.weight_decay = weight_decay
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch_tokens = micro_batch_tokens
+        self.logprob_chunk_tokens = logprob_chunk_tokens
+        if autocast_bf16 is None:  # bf16 weights need no autocast
+            autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
+        self.autocast_bf16 = autocast_bf16
+        scorer = functools.partial(
+            TokenLogprobs, route=choose_route(base), chunk_tokens=logprob_chunk_tokens,
+            autocast_bf16=autocast_bf16,
+        )  # fmt: skip
+        self._reference: TokenLogprobs | None = None
+        if reference_model and not use_lora:
+            self._reference = scorer(copy.deepcopy(base).eval().requires_grad_(False))
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(base)
+        self.gradient_checkpointing = gradient_checkpointing
+        self._model: torch.nn.Module = base
+        if use_lora:
+            config = LoraConfig(
+                r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                target_modules=list(lora_target_modules), task_type="CAUSAL_LM",
+            )  # fmt: skip
+            # peft would keep a bf16 base's adapter in fp32; the precision decides instead.
+            self._model = get_peft_model(base, config, autocast_adapter_dtype=False)
+        self._causal_lm = base  # with LoRA, peft injected its layers into this same module
+        self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
+        if self._shards is not None:  # (the KL reference too)
+            self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
+        self._has_reference = reference_model
+        self._optimizer = self._new_optimizer()
+        self._version = 0
+        self._zero_grad()  # no gradients yet
+
+    @classmethod
+    def from_settings(
+        cls,
+        model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
+        settings: TrainerSettings,
+        group: TrainerGroup | None = None,
+    ) -> Trainer:
+        """A trainer built as ``settings`` say (the service factory and the Ray actors):
+        each of its fields is the constructor argument of the same name."""
+        options = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+        return cls(model_path_or_model, **options, group=group)
+
+    # ------------------------------------------------------------ properties
+
+    @property
+    def version(self) -> int:
+        """Policy version of the current weights: 0 initially, +1 per applied optim_step."""
+        return self._version
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 of a sharded trainer (which returns results), or the one process."""
+        return self._shards is None or self._shards.is_main
+
+    def trainable_parameters(self) -> dict[str, Tensor]:  # sharded: this rank's DTensors
+        return {n: p for n, p in self._model.named_parameters() if p.requires_grad}
+
+    # ------------------------------------------------------------ training API
+
+    @torch.no_grad()
+    def forward(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
+        """Log-probability of each token under the current weights, computed at positions
+        with mask > 0; 0.0 elsewhere (position 0 included). Pass a mask of ones after
+        position 0 to score every token."""
+        self._model.eval()
+        logprobs_by_sample: list[list[float]] = [[] for _ in samples]
+        for batch in self._micro_batches(samples):
+            logprobs, _ = self._scorer(batch)
+            for row, index in enumerate(batch.indices):
+                logprobs_by_sample[index] = logprobs[row, : len(samples[index].tokens)].tolist()
+        if self._shards is not None:  # each rank scored its share
+            return self._shards.gather_rows(logprobs_by_sample)
+        return logprobs_by_sample
+
+    def forward_backward(
+        self, samples: Sequence[TrainingSample], loss: LossConfig
+    ) -> ForwardBackwardResult:
+        """Accumulate the gradient of ``loss`` over ``samples`` (any micro-batching gives the
+        same result). Several calls before one ``optim_step`` add their gradients."""
+        if not samples:
+            raise ValueError("forward_backward needs at least one sample")
+        if loss.kl_beta > 0 and not self._has_reference:
+            raise ValueError("kl_beta > 0 needs a Trainer built with reference_model=True")
+        loss_fn = get_loss_fn(loss.loss_type)
+        totals = batch_totals(samples)
+        self._model.train()
+        total_loss = 0.0
+        metric_sums: dict[str, float] = {}
+        for batch in self._micro_batches(samples):
+            reference = self._reference_logprobs(batch) if loss.kl_beta > 0 else None
+            logprobs, entropy_sum = self._scorer(batch)
+            value, metrics = loss_fn(
+                logprobs, batch.sampler_logprobs, batch.advantages, batch.mask, loss,
+                reference_logprobs=reference, totals=totals,
+            )  # fmt: skip
+            value.backward()
+            total_loss += value.item()
+            tokens = batch.mask.sum().item()
+            metrics["loss/entropy"] = entropy_sum / max(tokens, 1e-8)
+            for key, mean in metrics.items():  # token-weighted, exact across micro-batches
+                metric_sums[key] = metric_sums.get(key, 0.0) + mean * tokens
+        if self._shards is not None:  # each rank's share of the batch loss and metrics
+            total_loss, metric_sums = self._shards.sum_results(total_loss, metric_sums)
+        self._has_grads = True
+        self._nonfinite_loss |= not math.isfinite(total_loss)
+        denominator = max(totals.num_tokens, 1e-8)
+        metrics_out = {key: total / denominator for key, total in metric_sums.items()}
+        num_tokens = sum(s.num_trained_tokens for s in samples)
+        return ForwardBackwardResult(total_loss, metrics_out, num_tokens)
+
+    def optim_step(self, learning_rate: float) -> OptimStepResult:
+        """Clip gradients, apply AdamW at ``learning_rate`` and bump the version; skip the
+        step (grads dropped, weights and optimizer state untouched) on a non-finite loss
+        or gradient."""
+        if not math.isfinite(learning_rate) or learning_rate < 0:
+            raise ValueError(f"learning_rate must be finite and >= 0, got {learning_rate}")
+        if not self._has_grads:
+            raise RuntimeError("optim_step needs gradients: call forward_backward first")
+        parameters = list(self.trainable_parameters().values())
+        max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        grad_norm = clip_gradients(parameters, max_norm)
+        skipped = self._nonfinite_loss or not math.isfinite(grad_norm)
+        if not skipped:
+            for group in self._optimizer.param_groups:
+                group["lr"] = learning_rate
+            self._optimizer.step()
+            self._version += 1
+        self._zero_grad()
+        metrics = {
+            "optim/grad_norm": grad_norm,
+            "optim/learning_rate": learning_rate,
+            "optim/skipped": float(skipped),
+        }
+        return OptimStepResult(self._version, grad_norm, skipped, metrics)
+
+    # ------------------------------------------------------------ weights out
+
+    @torch.no_grad()
+    def state_dict_for_inference(self) -> dict[str, Tensor]:
+        """Fresh copies of the full weights under the base model's parameter names.
+
+        With LoRA each adapted weight is W + scale·B·A, computed without merging the
+        adapter into the trainable model. Tied embeddings come back under both names
+        (``model.embed_tokens.weight`` and ``lm_head.weight``) as one shared tensor. Sharded:
+        every rank calls it; rank 0 gets them (on the CPU), the others ``{}``."""
+        tensors = self.inference_tensors()
+        if not self.is_main:
+            collections.deque(tensors, maxlen=0)  # only take part in the gathers
+            return {}
+        offload = self._shards is not None  # a whole model beside the shards may not fit
+        return {n: t.cpu() if offload else t for names, t in tensors for n in names}
+
+    def inference_tensors(
+        self, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[list[str], Tensor]]:
+        """The merged weights one storage at a time, in ``dtype`` (``checkpoints``); sharded,
+        on every rank, each gathered in turn (every rank must go through all of them)."""
+        if self._shards is not None:
+            return self._shards.inference_tensors(self._causal_lm, ADAPTER_NAME, dtype)
+        return checkpoints.inference_tensors(self._causal_lm, ADAPTER_NAME, dtype)
+
+    def save_inference_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """A folder that ``AutoModelForCausalLM.from_pretrained`` loads (merged for LoRA),
+        with the tokenizer when the trainer has one. Sharded: rank 0 writes it."""
+        weights = self.state_dict_for_inference()
+        if self.is_main:
+            checkpoints.save_inference_checkpoint(path, self._causal_lm, weights, self.tokenizer)
+        return Path(path)
+
+    # ------------------------------------------------------------ training checkpoints
+
+    def save_training_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Trainable weights (all of them, or the adapter), AdamW state, version and torch
+        RNG states: enough to resume bit-for-bit on the same base model (``checkpoints``;
+        sharded: every rank writes its shards, ``sharded_checkpoints``)."""
+        if self._shards is not None:  # (a state dict of FSDP's root reshards it first)
+            return save_sharded_checkpoint(path, self._scorer, self._optimizer, self._meta())
+        return checkpoints.save_training_checkpoint(
+            path, self.trainable_parameters(), self._optimizer, self._meta()
+        )
+
+    def load_training_checkpoint(
+        self, path: str | os.PathLike[str], load_optimizer: bool = True
+    ) -> None:
+        """Restore a training checkpoint (``load_optimizer=False``: the weights only, with a
+        fresh optimizer at version 0: a fork, not a resume). Every file is read and checked
+        first: a damaged or unfitting checkpoint raises and leaves the trainer as it was.
+        Sharded (DCP) checkpoints of any world size load; a sharded trainer loads no other."""
+        if is_sharded_checkpoint(path):  # (loading FSDP's root reshards it first)
+            load = functools.partial(load_sharded_checkpoint, model=self._scorer)
+        elif self._shards is None:
+            parameters, device = self.trainable_parameters(), str(self.device)
+            load = functools.partial(
+                checkpoints.load_training_checkpoint, parameters=parameters, device=device
+            )
+        else:
+            raise ValueError(
+                f"{path} was saved by a trainer of one process; a sharded trainer "
+                "(num_trainer_workers > 1) resumes from sharded (DCP) checkpoints only"
+            )
+        expected = self._meta() | {"precision": self.precision if load_optimizer else None}
+        self._optimizer, version = load(
+            path, new_optimizer=self._new_optimizer, expected=expected,
+            load_optimizer=load_optimizer,
+        )  # fmt: skip
+        self._version = version if load_optimizer else 0
+        self._zero_grad()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held here (sharded: this rank's shards) of weights, gradients, optimizer."""
+        return held_bytes(self._model, self._optimizer)
+
+    def close(self) -> None:
+        """Leave the process group (sharded); nothing to do for one process."""
+        if self._shards is not None:
+            self._shards.close()
+
+    # ------------------------------------------------------------ internals
+
+    def _meta(self) -> dict[str, Any]:
+        """What a checkpoint records of this trainer (parameters named as in ``_scorer``)."""
+        names = [n for n, p in self._scorer.named_parameters() if p.requires_grad]
+        lora = self.lora_settings if self.use_lora else None
+        return {"version": self._version, "use_lora": self.use_lora, "lora": lora,
+                "precision": self.precision, "parameter_names": names}  # fmt: skip
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        parameters = list(self.trainable_parameters().values())
+        return new_optimizer(
+            parameters, self.precision, betas=self.betas, weight_decay=self.weight_decay
+        )
+
+    def _zero_grad(self) -> None:
+        self._optimizer.zero_grad(set_to_none=True)
+        self._has_grads = False
+        self._nonfinite_loss = False
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: MicroBatch) -> Tensor:
+        if self._reference is not None:
+            return cast(Tensor, self._reference(batch)[0])
+        with cast(PeftModel, self._model).disable_adapter():
+            return cast(Tensor, self._scorer(batch)[0])
+
+    def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
+        if self._shards is not None:
+            return self._shards.micro_batches(samples, self.micro_batch_tokens, self.device)
+        return micro_batches(samples, self.micro_batch_tokens, self.device)

@@ -1,0 +1,51 @@
+"""Import paths that moved keep working for one release, with a DeprecationWarning."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+MOVED_MODULES = [
+    "trainer",
+    "logprobs",
+    "losses",
+    "precision",
+    "attention",
+    "checkpoints",
+    "sharded",
+    "sharded_checkpoints",
+]
+
+
+@pytest.mark.parametrize("name", MOVED_MODULES)
+def test_old_service_module_is_the_trainer_module_and_warns(name: str) -> None:
+    old, new = f"post_training_cookbook.service.{name}", f"post_training_cookbook.trainer.{name}"
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+@pytest.mark.parametrize(
+    "name", ["TrainingSample", "LossConfig", "TrainerSettings", "OptimStepResult", "LOSS_TYPES"]
+)
+def test_old_record_paths_warn_and_give_the_trainer_records(name: str) -> None:
+    from post_training_cookbook import trainer
+    from post_training_cookbook.service import types
+
+    with pytest.warns(DeprecationWarning, match=f"service.types.{name} moved"):
+        record = getattr(types, name)
+    assert record is getattr(trainer, name)
+
+
+def test_service_package_names_moved_records_and_keeps_its_own() -> None:
+    import post_training_cookbook.service as service
+    from post_training_cookbook.trainer import TrainingSample
+
+    with pytest.warns(DeprecationWarning, match="TrainingSample moved"):
+        assert service.TrainingSample is TrainingSample
+    assert service.WeightSyncType.parse("pipeline").value == "pipeline"
+    with pytest.raises(AttributeError):
+        service.NoSuchThing  # noqa: B018
