@@ -18,11 +18,11 @@ from post_training_cookbook.envs.judge import (
     JudgeCache,
     JudgeError,
     JudgeReward,
-    LocalJudge,
     MalformedScore,
     OpenAIJudge,
     parse_score,
 )
+from post_training_cookbook.evaluation import LocalJudge
 from post_training_cookbook.rollout import (
     EnvStepError,
     EpisodeLimits,

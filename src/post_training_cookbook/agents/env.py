@@ -34,21 +34,26 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from post_training_cookbook.agents.episode import EpisodeEndpoint, record_segments
+from post_training_cookbook.codecs import Codec
 from post_training_cookbook.engine.types import SamplingParams
-from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.base import Task
 from post_training_cookbook.rollout.guards import EnvFault
-from post_training_cookbook.rollout.types import Episode, TruncationCause
+from post_training_cookbook.rollout.types import (
+    DrivenEnv,
+    Episode,
+    EpisodeLimits,
+    Sampler,
+    TruncationCause,
+)
 from post_training_cookbook.serve.app import ServerLimits
 from post_training_cookbook.serve.policy import ServedModel
 from post_training_cookbook.serve.server import PolicyServer
-from post_training_cookbook.types import Message, ToolSpec
-
-if TYPE_CHECKING:
-    from post_training_cookbook.rollout.play import EpisodeRunner
+from post_training_cookbook.types import Message
 
 Agent = Callable[[str, str, Task], Any]
 """``agent(base_url, api_key, task)``: returns the reward (or awaits to it, when async)."""
@@ -117,36 +122,56 @@ class AgentEnvs:
         self.close()
 
 
-class AgentEnv(Env):
-    """One episode of the agent. The rollout calls ``drive_episode`` instead of ``reset`` and
-    ``step``: the agent, not the loop, decides when to sample."""
+class AgentEnv(DrivenEnv):
+    """One episode of the agent: no ``reset`` or ``step``, since the agent, not the loop,
+    decides when to sample; the rollout plays it with the ``AgentDriver`` it hands out."""
 
     def __init__(self, envs: AgentEnvs) -> None:
-        self._envs = envs
-        self._messages: list[Message] = []
+        self.envs = envs
+        self.transcript: list[Message] = []
 
-    async def drive_episode(
-        self, episode: Episode, runner: EpisodeRunner, params: SamplingParams, seed: int | None
+    def driver(self, sampler: Sampler, codec: Codec, limits: EpisodeLimits) -> AgentDriver:
+        return AgentDriver(sampler, codec, limits)
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self.transcript)
+
+
+@dataclass(frozen=True)
+class AgentDriver:
+    """Plays an ``AgentEnv``'s episode: the agent runs against the policy server, over the
+    runner's sampler and codec, on a route of this episode alone; the ``Episode`` is built
+    from what the server sampled."""
+
+    sampler: Sampler
+    codec: Codec
+    limits: EpisodeLimits
+
+    async def play(
+        self, episode: Episode, env: AgentEnv, params: SamplingParams, seed: int | None
     ) -> None:
-        limits = runner.limits
+        limits = self.limits
         model = ServedModel(
             MODEL_NAME,
-            runner.codec,
-            runner.sampler,
+            self.codec,
+            self.sampler,
             limits.max_model_length,
             limits.max_tokens_per_turn,
         )
         endpoint = EpisodeEndpoint(
             model, limits=limits, params=params, seed=seed, loop=asyncio.get_running_loop()
         )
-        server = self._envs.server()
+        server = env.envs.server()
         route = server.open_episode(endpoint)
         try:
-            returned, failure = await self._run_agent(route.base_url, route.api_key, episode.task)
+            returned, failure = await _run_agent(
+                env.envs, route.base_url, route.api_key, episode.task
+            )
         finally:
             server.close_episode(route.episode_id)
             endpoint.close()
-        self._messages = list(endpoint.transcript)
+        env.transcript = list(endpoint.transcript)
         episode.messages = list(endpoint.transcript)
         episode.num_turns = endpoint.requests
         episode.length_capped_turns = sum(
@@ -159,60 +184,46 @@ class AgentEnv(Env):
         if episode.truncation is TruncationCause.PARSE_FAILURE:
             episode.reward = limits.failed_parse_reward
         else:
-            episode.reward = await self._reward(episode, returned, failed=failure is not None)
+            episode.reward = await _reward(env.envs, episode, returned, failed=failure is not None)
         episode.metrics = {
             "agent_requests": float(endpoint.requests),
             "agent_segments": float(number_of_segments),
             "agent_history_breaks": float(endpoint.history_breaks),
         }
 
-    async def _run_agent(
-        self, base_url: str, api_key: str, task: Task
-    ) -> tuple[Any, EnvFault | None]:
-        """What the agent returned, or the ``EnvFault`` it failed with."""
-        agent, timeout_s = self._envs.agent, self._envs.timeout_s
-        try:
-            if _is_async(agent):
-                running = agent(base_url, api_key, task)
-            else:
-                loop = asyncio.get_running_loop()
-                running = loop.run_in_executor(self._envs.threads(), agent, base_url, api_key, task)
-            returned = await asyncio.wait_for(running, timeout_s)
-        except TimeoutError:
-            return None, EnvFault(f"the agent ran past its timeout_s={timeout_s:g}")
-        except Exception as exc:
-            return None, EnvFault(f"the agent raised {exc!r}")
-        if inspect.isawaitable(returned):
-            if inspect.iscoroutine(returned):
-                returned.close()
-            return None, EnvFault("the agent returned an awaitable: define it with async def")
-        return returned, None
 
-    async def _reward(self, episode: Episode, returned: Any, *, failed: bool) -> float:
-        reward_fn = self._envs.reward_fn
-        if reward_fn is not None:
-            value = reward_fn(episode.task, list(episode.messages))
-            value = await value if inspect.isawaitable(value) else value
-            return _finite(value, "reward_fn")
-        if failed:
-            return 0.0
-        return _finite(returned, "the agent")
+async def _run_agent(
+    envs: AgentEnvs, base_url: str, api_key: str, task: Task
+) -> tuple[Any, EnvFault | None]:
+    """What the agent returned, or the ``EnvFault`` it failed with."""
+    agent, timeout_s = envs.agent, envs.timeout_s
+    try:
+        if _is_async(agent):
+            running = agent(base_url, api_key, task)
+        else:
+            loop = asyncio.get_running_loop()
+            running = loop.run_in_executor(envs.threads(), agent, base_url, api_key, task)
+        returned = await asyncio.wait_for(running, timeout_s)
+    except TimeoutError:
+        return None, EnvFault(f"the agent ran past its timeout_s={timeout_s:g}")
+    except Exception as exc:
+        return None, EnvFault(f"the agent raised {exc!r}")
+    if inspect.isawaitable(returned):
+        if inspect.iscoroutine(returned):
+            returned.close()
+        return None, EnvFault("the agent returned an awaitable: define it with async def")
+    return returned, None
 
-    # The Env members: the agent plays the episode, so reset and step are never called.
 
-    async def reset(self, task: Task) -> list[Message]:
-        raise RuntimeError("an AgentEnv's episode is played by its agent (drive_episode)")
-
-    async def step(self, message: Message) -> StepResult:
-        raise RuntimeError("an AgentEnv's episode is played by its agent (drive_episode)")
-
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return []
-
-    @property
-    def messages(self) -> list[Message]:
-        return list(self._messages)
+async def _reward(envs: AgentEnvs, episode: Episode, returned: Any, *, failed: bool) -> float:
+    reward_fn = envs.reward_fn
+    if reward_fn is not None:
+        value = reward_fn(episode.task, list(episode.messages))
+        value = await value if inspect.isawaitable(value) else value
+        return _finite(value, "reward_fn")
+    if failed:
+        return 0.0
+    return _finite(returned, "the agent")
 
 
 def _is_async(agent: Agent) -> bool:

@@ -20,6 +20,7 @@ from post_training_cookbook.codecs.hermes import (
     HermesCodec,
     detect_default_system,
 )
+from post_training_cookbook.codecs.inference import infer_codec_name
 from post_training_cookbook.codecs.llama3 import Llama3Codec, Llama32Codec
 from post_training_cookbook.codecs.qwen3 import QWEN3_CHAT_TEMPLATE, Qwen3Codec
 from post_training_cookbook.codecs.qwen35 import (
@@ -83,8 +84,6 @@ def get_codec(name: str, tokenizer: PreTrainedTokenizerBase, **options: Any) -> 
 
 def infer_codec(tokenizer: PreTrainedTokenizerBase, **options: Any) -> Codec:
     """The family codec whose format the tokenizer's chat template renders."""
-    from post_training_cookbook.models.catalog import infer_codec_name
-
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("tool_use") or template.get("default")
@@ -118,5 +117,6 @@ __all__ = [
     "TemplateCodec",
     "get_codec",
     "infer_codec",
+    "infer_codec_name",
     "to_template_messages",
 ]

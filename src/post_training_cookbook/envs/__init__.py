@@ -6,10 +6,11 @@ override), reward functions and ``Rubric`` (``rewards``), judge-model rewards (`
 weighted mixtures of envs (``mixture``).
 """
 
+from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.envs.arithmetic import safe_eval
 from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, ToolResult, tool_to_spec
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
-from post_training_cookbook.envs.judge import JudgeError, JudgeReward, LocalJudge, OpenAIJudge
+from post_training_cookbook.envs.judge import JudgeError, JudgeReward, OpenAIJudge
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
 from post_training_cookbook.envs.rewards import (
     RewardFn,
@@ -29,7 +30,6 @@ __all__ = [
     "FunctionTool",
     "JudgeError",
     "JudgeReward",
-    "LocalJudge",
     "MixtureEntry",
     "OpenAIJudge",
     "RewardFn",
@@ -47,3 +47,9 @@ __all__ = [
     "score_answer",
     "tool_to_spec",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "LocalJudge":  # it loads a model, so it lives above the envs
+        return moved_name(__name__, name, "post_training_cookbook.evaluation.local_judge")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

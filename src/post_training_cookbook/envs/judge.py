@@ -10,7 +10,8 @@ as ``reward_fn`` (alone, or inside a ``Rubric`` beside exact checks)::
 
 The judge is any OpenAI-compatible chat endpoint (``OpenAIJudge``: the ``openai`` client, the
 base URL and the API key from the environment, ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` by
-default) or a model our own engine runs in this process (``LocalJudge``).
+default) or a model our own engine runs in this process (``LocalJudge``, which loads a model
+and so lives above the envs, in ``evaluation/local_judge.py``).
 
 Each request is built from the rubric, the task (its prompt and reference answer) and the
 answer (``judge_messages``); the judge replies with its reasons and a last line
@@ -46,15 +47,11 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from post_training_cookbook.endpoints import is_retried
 from post_training_cookbook.envs.base import Task
+from post_training_cookbook.openai_api import api_key_from_env, async_client, is_retried
 from post_training_cookbook.types import Message
-
-if TYPE_CHECKING:
-    from post_training_cookbook.codecs import Codec
-    from post_training_cookbook.engine.local import LocalEngine
 
 JUDGE_INSTRUCTIONS = (
     "You grade an answer to a question against a rubric. Think about how well the answer "
@@ -275,21 +272,10 @@ class OpenAIJudge:
     def __init__(
         self, model: str, *, base_url: str | None = None, api_key_env: str | None = "OPENAI_API_KEY"
     ) -> None:
-        try:
-            import openai
-        except ImportError as exc:
-            raise ImportError(
-                "OpenAIJudge needs: pip install 'post-training-cookbook[openai]'"
-            ) from exc
-        key = os.environ.get(api_key_env, "") if api_key_env else "unused"
-        if not key:
-            raise ValueError(
-                f"the environment variable {api_key_env} holds no API key: export it, or pass "
-                "api_key_env=None for an endpoint without one"
-            )
         self.model = model
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
-        self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0)
+        key = api_key_from_env(api_key_env, self.base_url)
+        self._client = async_client(self.base_url, key, user="OpenAIJudge")
         self.name = f"{self.base_url}#{model}"
 
     async def complete(
@@ -316,62 +302,3 @@ class OpenAIJudge:
 
     async def close(self) -> None:
         await self._client.close()
-
-
-class LocalJudge:
-    """A judge model run in this process by our own engine: a catalog id, a local Hugging
-    Face folder or a run directory, as ``evaluate`` takes. Loaded on first use (off the event
-    loop); the engine batches the judgements in flight together."""
-
-    def __init__(
-        self, model: str, *, device: str = "cpu", dtype: str | None = None, max_batch_size: int = 32
-    ) -> None:
-        self.model = model
-        self.name = f"local#{model}"
-        self._device, self._dtype, self._max_batch_size = device, dtype, max_batch_size
-        self._loaded: tuple[LocalEngine, Codec] | None = None
-        self._loading: asyncio.Future[tuple[LocalEngine, Codec]] | None = None
-
-    async def complete(
-        self, messages: list[Message], *, max_tokens: int, temperature: float
-    ) -> str:
-        from post_training_cookbook.engine.types import SamplingParams
-
-        engine, codec = await self._load()
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, stop_token_ids=codec.stop_token_ids
-        )
-        (sampled,) = await engine.sample(codec.render_prompt(messages, []), 1, params)
-        parsed = codec.parse(sampled.tokens, [])
-        if parsed.message is not None:
-            return parsed.message.get("content") or ""
-        return str(codec.tokenizer.decode(sampled.tokens, skip_special_tokens=True))
-
-    async def close(self) -> None:
-        if self._loaded is not None:
-            await self._loaded[0].close()
-            self._loaded = None
-
-    async def _load(self) -> tuple[LocalEngine, Codec]:
-        if self._loaded is None:
-            if self._loading is None or self._loading.get_loop() is not asyncio.get_running_loop():
-                self._loading = asyncio.ensure_future(asyncio.to_thread(self._build))
-            self._loaded = await asyncio.shield(self._loading)
-        return self._loaded
-
-    def _build(self) -> tuple[LocalEngine, Codec]:
-        import torch
-
-        from post_training_cookbook.engine.local import LocalEngine
-        from post_training_cookbook.evaluation.models import load_eval_weights, resolve_eval_model
-        from post_training_cookbook.models.loading import load_codec
-
-        model = resolve_eval_model(self.model)
-        dtype = getattr(torch, self._dtype or model.dtype)
-        codec = load_codec(model.tokenizer_info)
-        weights = load_eval_weights(model, dtype)
-        engine = LocalEngine(
-            weights, dtype=dtype, device=self._device, max_batch_size=self._max_batch_size,
-            copy_model=False,
-        )  # fmt: skip
-        return engine, codec

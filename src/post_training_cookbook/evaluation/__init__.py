@@ -8,8 +8,11 @@
 
 ``runner`` plays the episodes (as training validation does), ``results`` holds what comes
 back (``EvalResult``, pass@k, tables), ``models`` decides what to load, ``hosted`` scores an
-OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``).
+OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``), ``local_judge``
+runs a judge model for judge rewards (``LocalJudge``, imported on first use).
 """
+
+from typing import Any
 
 from post_training_cookbook.evaluation.hosted import HostedEndpointError, HostedModel
 from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
@@ -31,6 +34,7 @@ __all__ = [
     "HostedEndpointError",
     "HostedModel",
     "LevelResult",
+    "LocalJudge",
     "TaskResult",
     "aevaluate",
     "evaluate",
@@ -39,3 +43,11 @@ __all__ = [
     "pass_at_k",
     "resolve_eval_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LocalJudge":
+        from post_training_cookbook.evaluation.local_judge import LocalJudge
+
+        return LocalJudge
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,7 +20,6 @@ ends that episode as ``CONTEXT_OVERFLOW``.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
 from collections.abc import Awaitable, Callable, Sequence
@@ -28,12 +27,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.codecs.tool_calls import arguments_object
-from post_training_cookbook.endpoints import RETRIED_STATUSES, is_retried
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.openai_api import (
+    RETRIED_STATUSES,
+    api_key_from_env,
+    async_client,
+    is_retried,
+    message_to_api,
+)
 from post_training_cookbook.rollout.chat import ChatRunner, ChatTurn, FinishReason, play_chat_group
 from post_training_cookbook.rollout.types import Group
-from post_training_cookbook.serve.wire import message_to_api
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
 if TYPE_CHECKING:
@@ -80,15 +84,7 @@ class HostedModel:
 
     def api_key(self) -> str:
         """The key from ``api_key_env``; ``ValueError`` naming the variable when it is unset."""
-        if self.api_key_env is None:
-            return "unused"
-        key = os.environ.get(self.api_key_env, "")
-        if not key:
-            raise ValueError(
-                f"the environment variable {self.api_key_env} holds no API key for "
-                f"{self.base_url}: export it, or pass api_key_env=None for an endpoint without one"
-            )
-        return key
+        return api_key_from_env(self.api_key_env, self.base_url)
 
 
 class OpenAIChatSampler:
@@ -100,11 +96,9 @@ class OpenAIChatSampler:
         api_key: str,
         sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
     ) -> None:
-        import openai
-
         self._hosted = hosted
-        self._client = openai.AsyncOpenAI(
-            base_url=hosted.base_url, api_key=api_key, timeout=hosted.timeout_s, max_retries=0
+        self._client = async_client(
+            hosted.base_url, api_key, timeout_s=hosted.timeout_s, user="hosted evaluation"
         )
         self._slots = asyncio.Semaphore(hosted.max_concurrency)
         self._sleep = sleep

@@ -183,6 +183,8 @@ def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
             read_json_object(folder / name)
     _check_weights(folder)
     template = _chat_template_text(folder)
+    from post_training_cookbook.codecs.inference import infer_codec_name
+
     inferred = codec or infer_codec_name(template)
     reason = (
         ""
@@ -239,28 +241,6 @@ def _chat_template_text(folder: Path) -> str:
 
 def _entry(entry: Any) -> dict[str, Any]:
     return entry if isinstance(entry, dict) else {}
-
-
-def infer_codec_name(template: str) -> str | None:
-    """The family codec for a chat template, recognised by the text only that family has.
-
-    Templates that merely share a marker (Nemotron's XML calls, GLM's ``<tool_call>``) are
-    not recognised: they get no codec rather than one that renders something else.
-    """
-    chatml = "<|im_start|>" in template
-    if chatml and "<function=" in template and "vision_start" in template:
-        if "reasoning_effort" in template:
-            return "qwen3.8"
-        if "preserve_thinking" in template:
-            return "qwen3.6"
-        if "enable_thinking is defined and enable_thinking is true" in template:
-            return "qwen3.5-nothink"
-        return "qwen3.5"
-    if "Cutting Knowledge Date" in template and '"parameters": ' in template:
-        return "llama3.2" if "strftime_now" in template else "llama3.1"
-    if chatml and "<tool_call>" in template and '{"name": ' in template:
-        return "qwen3" if "<think>" in template else "hermes"
-    return None
 
 
 def check_codec_options(info: ModelInfo, options: Mapping[str, object]) -> dict[str, object]:

@@ -1,12 +1,14 @@
-"""The rollout layer: episodes and groups of them — how they are played (``play``; ``chat``
-for models that speak messages, such as hosted endpoints), within what limits and as what
-records (``types``), the numbers that describe them (``metrics``) and the JSON line each
-becomes (``records``).
+"""The rollout layer: episodes and groups of them — how they are played (``play``: the
+episode frame ``run_episode`` and the token driver; ``chat``: the driver for models that
+speak messages, such as hosted endpoints; an external agent's env brings its own,
+``DrivenEnv``), within what limits and as what records (``types``), the numbers that
+describe them (``metrics``) and the JSON line each becomes (``records``).
 
 Nothing here imports torch or transformers: the sampler and the codec are handed in.
 """
 
 from post_training_cookbook.rollout.chat import (
+    ChatDriver,
     ChatRunner,
     ChatSampler,
     ChatTurn,
@@ -28,19 +30,21 @@ from post_training_cookbook.rollout.metrics import (
 from post_training_cookbook.rollout.play import (
     EpisodeRunner,
     EpisodesInFlight,
+    TokenDriver,
     derive_seed,
     play_group,
     play_groups,
     run_episode,
-    with_retries,
 )
 from post_training_cookbook.rollout.records import episode_record
 from post_training_cookbook.rollout.types import (
     ENV_ERROR_POLICIES,
+    DrivenEnv,
     EndpointUsage,
     EnvErrorPolicy,
     EnvStepError,
     Episode,
+    EpisodeDriver,
     EpisodeLimits,
     Group,
     Sampler,
@@ -49,19 +53,23 @@ from post_training_cookbook.rollout.types import (
 
 __all__ = [
     "ENV_ERROR_POLICIES",
+    "ChatDriver",
     "ChatRunner",
     "ChatSampler",
     "ChatTurn",
+    "DrivenEnv",
     "EndpointUsage",
     "EnvErrorPolicy",
     "EnvStepError",
     "Episode",
+    "EpisodeDriver",
     "EpisodeLimits",
     "EpisodeRunner",
     "EpisodesInFlight",
     "Group",
     "RewardOf",
     "Sampler",
+    "TokenDriver",
     "TruncationCause",
     "UnusableRolloutsError",
     "check_episode_inputs",
@@ -77,5 +85,4 @@ __all__ = [
     "play_groups",
     "run_chat_episode",
     "run_episode",
-    "with_retries",
 ]

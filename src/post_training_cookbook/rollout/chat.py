@@ -35,14 +35,16 @@ from post_training_cookbook.rollout.play import (
     BuildsEnvs,
     EpisodesInFlight,
     derive_seed,
-    play_seeded,
+    play_group,
     reset_env,
+    run_episode,
     step_env,
-    with_fresh_env,
 )
 from post_training_cookbook.rollout.types import (
+    DrivenEnv,
     EndpointUsage,
     Episode,
+    EpisodeDriver,
     EpisodeLimits,
     Group,
     TruncationCause,
@@ -76,6 +78,46 @@ class ChatSampler(Protocol):
 
 
 @dataclass(frozen=True)
+class ChatDriver:
+    """The rollout core for a chat endpoint: reset → chat → step, until the env or a limit
+    ends the episode."""
+
+    sampler: ChatSampler
+    limits: EpisodeLimits
+
+    async def play(
+        self, episode: Episode, env: Env, params: SamplingParams, seed: int | None
+    ) -> None:
+        limits = self.limits
+        opening = await reset_env(episode, env, limits)
+        tools = list(env_property(env, "tool_specs") or [])
+        conversation = list(opening)
+        usage = _Usage()
+        while True:
+            if episode.num_turns >= limits.max_turns:
+                episode.truncation = TruncationCause.MAX_TURNS
+                break
+            turn_seed = params.seed if seed is None else derive_seed(seed, episode.num_turns)
+            turn_params = replace(params, max_tokens=limits.max_tokens_per_turn, seed=turn_seed)
+            turn = await self.sampler.chat(list(conversation), tools, turn_params)
+            episode.num_turns += 1
+            usage.add(turn)
+            if turn.finish_reason == "context_overflow" or usage.last > limits.max_model_length:
+                episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+                break
+            episode.length_capped_turns += turn.finish_reason == "length"
+            if turn.message is None:
+                episode.reward = limits.failed_parse_reward
+                episode.truncation = TruncationCause.PARSE_FAILURE
+                break
+            added = await step_env(episode, env, turn.message, conversation, limits)
+            if added is None:  # the env ended the episode
+                break
+            conversation += added
+        episode.endpoint_usage = EndpointUsage(usage.last, usage.completion)
+
+
+@dataclass(frozen=True)
 class ChatRunner(BuildsEnvs):
     """Everything needed to play a chat episode, fixed once per evaluation."""
 
@@ -83,6 +125,18 @@ class ChatRunner(BuildsEnvs):
     sampler: ChatSampler
     limits: EpisodeLimits
     in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
+    chat_driver: ChatDriver = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "chat_driver", ChatDriver(self.sampler, self.limits))
+
+    def driver_for(self, env: Env | DrivenEnv) -> EpisodeDriver:
+        if isinstance(env, DrivenEnv):
+            raise EnvFault(
+                f"{type(env).__name__} runs an agent that calls its endpoint itself: a hosted "
+                "model cannot play it here; point the agent at the endpoint instead"
+            )
+        return self.chat_driver
 
 
 async def play_chat_group(
@@ -92,59 +146,15 @@ async def play_chat_group(
     params: SamplingParams,
     seed: int | None = None,
 ) -> Group:
-    """``num_episodes`` chat episodes of ``task``, concurrently (as ``play_group``)."""
-    return await play_seeded(
-        task, num_episodes, seed,
-        lambda episode_seed: run_chat_episode(task, runner, params, episode_seed),
-    )  # fmt: skip
+    """``num_episodes`` chat episodes of ``task``, concurrently (``play_group``)."""
+    return await play_group(runner, task, num_episodes, params, seed)
 
 
 async def run_chat_episode(
     task: Task, runner: ChatRunner, params: SamplingParams, seed: int | None = None
 ) -> Episode:
     """One chat episode of ``task`` with a fresh env; ``close()`` runs however it ends."""
-
-    async def play(episode: Episode, env: Env, params: SamplingParams, seed: int | None) -> None:
-        if callable(getattr(env, "drive_episode", None)):
-            raise EnvFault(
-                f"{type(env).__name__} runs an agent that calls its endpoint itself: a hosted "
-                "model cannot play it here; point the agent at the endpoint instead"
-            )
-        await _play_chat(episode, env, runner, params, seed)
-
-    return await with_fresh_env(task, runner, play, params, seed)
-
-
-async def _play_chat(
-    episode: Episode, env: Env, runner: ChatRunner, params: SamplingParams, seed: int | None
-) -> None:
-    limits = runner.limits
-    opening = await reset_env(episode, env, limits)
-    tools = list(env_property(env, "tool_specs") or [])
-    conversation = list(opening)
-    usage = _Usage()
-    while True:
-        if episode.num_turns >= limits.max_turns:
-            episode.truncation = TruncationCause.MAX_TURNS
-            break
-        turn_seed = params.seed if seed is None else derive_seed(seed, episode.num_turns)
-        turn_params = replace(params, max_tokens=limits.max_tokens_per_turn, seed=turn_seed)
-        turn = await runner.sampler.chat(list(conversation), tools, turn_params)
-        episode.num_turns += 1
-        usage.add(turn)
-        if turn.finish_reason == "context_overflow" or usage.last > limits.max_model_length:
-            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
-            break
-        episode.length_capped_turns += turn.finish_reason == "length"
-        if turn.message is None:
-            episode.reward = limits.failed_parse_reward
-            episode.truncation = TruncationCause.PARSE_FAILURE
-            break
-        added = await step_env(episode, env, turn.message, conversation, limits)
-        if added is None:  # the env ended the episode
-            break
-        conversation += added
-    episode.endpoint_usage = EndpointUsage(usage.last, usage.completion)
+    return await run_episode(task, runner, params, seed)
 
 
 @dataclass

@@ -12,22 +12,21 @@ Two kinds of stuck env, and why each is caught here:
   ``asyncio.to_thread``) cannot be interrupted: no timeout fires while the loop is blocked,
   and every other episode waits. ``call_env`` measures the longest stretch the call ran
   without yielding, and a stretch past the timeout makes the call an env error once it
-  returns; a watchdog thread names a call that stays blocked (``BlockWatch``).
+  returns; a watchdog thread names a call that stays blocked (``BlockWatch``; both in
+  ``stretches.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import math
-import threading
-import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from post_training_cookbook.envs.base import StepResult
+from post_training_cookbook.stretches import Stretches, as_coroutine
 from post_training_cookbook.types import Message
 
 T = TypeVar("T")
@@ -45,67 +44,6 @@ class EnvFault(Exception):
     """An env call failed or an env broke its contract; the message says which and how."""
 
 
-class _Stretches:
-    """The longest stretch a coroutine ran without yielding to the event loop."""
-
-    def __init__(self, coroutine: Coroutine[Any, Any, T], label: str) -> None:
-        self._coroutine = coroutine
-        self._label = label
-        self.longest_s = 0.0
-        self.abandoned = False
-        """Set when the call ignored its cancellation: the next cancellation closes the
-        env's coroutine instead of handing it over."""
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            started = time.perf_counter()
-            watch.enter(self._label, started)
-            try:
-                if error is None:
-                    yielded = self._coroutine.send(value)
-                else:
-                    yielded = self._coroutine.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            finally:
-                watch.leave()
-                self.longest_s = max(self.longest_s, time.perf_counter() - started)
-            try:
-                value, error = (yield yielded), None
-            except GeneratorExit:
-                self._coroutine.close()
-                raise
-            except BaseException as exc:  # cancellation included: hand it to the env
-                if self.abandoned:
-                    with contextlib.suppress(RuntimeError):  # it ignored GeneratorExit too
-                        self._coroutine.close()
-                    raise
-                value, error = None, exc
-
-
-async def _stretched(stretches: _Stretches) -> Any:
-    return await stretches
-
-
-async def with_longest_stretch(awaitable: Awaitable[T]) -> tuple[T, float]:
-    """The awaitable's value, and the longest it ran without yielding (``check_env``)."""
-    stretches = _Stretches(_as_coroutine(awaitable), "env call")
-    value: T = await stretches
-    return value, stretches.longest_s
-
-
-def _as_coroutine(awaitable: Awaitable[T]) -> Coroutine[Any, Any, T]:
-    if asyncio.iscoroutine(awaitable):
-        return awaitable
-
-    async def awaited() -> T:
-        return await awaitable
-
-    return awaited()
-
-
 async def call_env(
     start: Callable[[], Any], what: str, timeout_s: float | None, label: str = ""
 ) -> Any:
@@ -118,8 +56,8 @@ async def call_env(
     if not inspect.isawaitable(awaitable):
         got = type(awaitable).__name__
         raise EnvFault(f"env.{what} returned a {got}, not an awaitable; define it with async def")
-    stretches = _Stretches(_as_coroutine(awaitable), label or f"env.{what}")
-    call = asyncio.ensure_future(_stretched(stretches))
+    stretches = Stretches(as_coroutine(awaitable), label or f"env.{what}")
+    call = asyncio.ensure_future(stretches)
     try:
         done, _ = await asyncio.wait({call}, timeout=timeout_s)
     except asyncio.CancelledError:
@@ -141,7 +79,7 @@ async def call_env(
         raise EnvFault(f"env.{what} raised {exc!r}") from exc
 
 
-async def _cancel(call: asyncio.Future[Any], stretches: _Stretches) -> None:
+async def _cancel(call: asyncio.Future[Any], stretches: Stretches) -> None:
     """Cancel a call that is still running. One that ignores its cancellation (swallows
     ``CancelledError``) gets a grace period, then its coroutine is closed: nothing of it
     stays behind to hang the event loop's shutdown."""
@@ -154,49 +92,6 @@ async def _cancel(call: asyncio.Future[Any], stretches: _Stretches) -> None:
         stretches.abandoned = True
         call.cancel()
         await asyncio.wait({call}, timeout=CANCEL_GRACE_S)
-
-
-class BlockWatch:
-    """Names an env call that has blocked its event loop's thread for a while, as it
-    happens (the call itself can only be judged once it returns). One daemon thread, started
-    on first use; each thread's current env stretch is a tuple read atomically."""
-
-    def __init__(self, report_after_s: float = 10.0) -> None:
-        self.report_after_s = report_after_s
-        self._current: dict[int, tuple[str, float]] = {}
-        self._reported: set[tuple[int, float]] = set()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def enter(self, label: str, started: float) -> None:
-        self._current[threading.get_ident()] = (label, started)
-        if self._thread is None:
-            self._start()
-
-    def leave(self) -> None:
-        self._current.pop(threading.get_ident(), None)
-
-    def _start(self) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="BlockWatch", daemon=True)
-                self._thread.start()
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.report_after_s / 2))
-            now = time.perf_counter()
-            for ident, (label, started) in list(self._current.items()):
-                if now - started > self.report_after_s and (ident, started) not in self._reported:
-                    self._reported.add((ident, started))
-                    log.warning(
-                        "%s has blocked the event loop for %.0fs: every episode waits for it",
-                        label,
-                        now - started,
-                    )
-
-
-watch = BlockWatch()
 
 
 # ---------------------------------------------------------------- what an env returns

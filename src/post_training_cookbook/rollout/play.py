@@ -38,8 +38,10 @@ from post_training_cookbook.rollout.guards import (
     new_messages,
 )
 from post_training_cookbook.rollout.types import (
+    DrivenEnv,
     EnvStepError,
     Episode,
+    EpisodeDriver,
     EpisodeLimits,
     Group,
     Sampler,
@@ -67,22 +69,23 @@ class EpisodesInFlight:
 
 
 class BuildsEnvs:
-    """A fresh env per episode, and the guard that one instance never serves two episodes in
-    flight; shared by the runners of token episodes and of hosted models' chat episodes."""
+    """A fresh env per episode, the guard that one instance never serves two episodes in
+    flight, and the driver that plays it; shared by the runners of token episodes and of
+    hosted models' chat episodes."""
 
     env_factory: Callable[[Task], Env]
     limits: EpisodeLimits
     in_flight: EpisodesInFlight
     """The episodes in flight and their envs (one instance must not serve two episodes)."""
 
-    def build_env(self, task: Task) -> Env:
+    def build_env(self, task: Task) -> Env | DrivenEnv:
         """A fresh env for ``task``; ``EnvFault`` when the factory fails, ``ValueError`` when
         it hands out an env that another episode is still using."""
         try:
             env = self.env_factory(task)
         except Exception as exc:
             raise EnvFault(f"env_factory raised {exc!r}") from exc
-        if not isinstance(env, Env) and not all(
+        if not isinstance(env, Env | DrivenEnv) and not all(
             hasattr(env, name) for name in ("reset", "step", "tool_specs", "messages")
         ):
             raise EnvFault(
@@ -97,128 +100,112 @@ class BuildsEnvs:
         self.in_flight.env_ids.add(id(env))
         return env
 
-    def release_env(self, env: Env) -> None:
+    def release_env(self, env: Env | DrivenEnv) -> None:
         self.in_flight.env_ids.discard(id(env))
+
+    def driver_for(self, env: Env | DrivenEnv) -> EpisodeDriver:
+        """The driver that plays an episode on ``env``; ``EnvFault`` when this runner cannot."""
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
 class EpisodeRunner(BuildsEnvs):
-    """Everything needed to play an episode, fixed once per run."""
+    """Everything needed to play an episode, fixed once per run: the envs, the model (sampler
+    and codec) and the limits; the token driver built from them once."""
 
     env_factory: Callable[[Task], Env]
     sampler: Sampler
     codec: Codec
     limits: EpisodeLimits
     in_flight: EpisodesInFlight = field(default_factory=EpisodesInFlight, compare=False)
+    token_driver: TokenDriver = field(init=False, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_driver", TokenDriver(self.sampler, self.codec, self.limits))
 
-async def play_group(
-    runner: EpisodeRunner,
-    task: Task,
-    num_episodes: int,
-    params: SamplingParams,
-    seed: int | None = None,
-) -> Group:
-    """``num_episodes`` episodes of ``task``, concurrently; ``seed`` makes them repeatable
-    (each episode gets its own derived seed, so they still differ from each other)."""
-    return await play_seeded(
-        task, num_episodes, seed,
-        lambda episode_seed: run_episode(task, runner, params, episode_seed),
-    )  # fmt: skip
-
-
-async def play_seeded(
-    task: Task,
-    num_episodes: int,
-    seed: int | None,
-    play_episode: Callable[[int | None], Awaitable[Episode]],
-) -> Group:
-    """The group of ``num_episodes`` calls of ``play_episode``, run concurrently, each with
-    its own seed derived from ``seed`` (or None)."""
-    seeds = [None if seed is None else derive_seed(seed, index) for index in range(num_episodes)]
-    return Group(task, list(await asyncio.gather(*(play_episode(s) for s in seeds))))
+    def driver_for(self, env: Env | DrivenEnv) -> EpisodeDriver:
+        """The token driver; a ``DrivenEnv`` (an external agent) brings a driver of its own,
+        built over the same sampler, codec and limits."""
+        if isinstance(env, DrivenEnv):
+            return env.driver(self.sampler, self.codec, self.limits)
+        return self.token_driver
 
 
 async def play_groups(
-    runner: EpisodeRunner,
+    runner: BuildsEnvs,
     tasks: Sequence[Task],
     num_episodes: int,
     params: SamplingParams,
     seeds: Sequence[int | None] | None = None,
 ) -> list[Group]:
-    """One group per task, all concurrently."""
+    """One group of ``num_episodes`` episodes per task, every episode concurrently (the engine
+    batches the turns of all of them). A group's ``seed`` makes it repeatable: each episode
+    gets its own seed derived from it, so they still differ from each other."""
     group_seeds = list(seeds) if seeds is not None else [None] * len(tasks)
-    groups = await asyncio.gather(
+    episodes = await asyncio.gather(
         *(
-            play_group(runner, task, num_episodes, params, seed)
+            run_episode(task, runner, params, None if seed is None else derive_seed(seed, index))
             for task, seed in zip(tasks, group_seeds, strict=True)
+            for index in range(num_episodes)
         )
     )
-    return list(groups)
+    return [
+        Group(task, list(episodes[start : start + num_episodes]))
+        for task, start in zip(tasks, range(0, len(episodes), num_episodes), strict=True)
+    ]
+
+
+async def play_group(
+    runner: BuildsEnvs,
+    task: Task,
+    num_episodes: int,
+    params: SamplingParams,
+    seed: int | None = None,
+) -> Group:
+    """``num_episodes`` episodes of ``task``, concurrently (``play_groups`` of one task)."""
+    (group,) = await play_groups(runner, [task], num_episodes, params, [seed])
+    return group
 
 
 async def run_episode(
-    task: Task, runner: EpisodeRunner, params: SamplingParams, seed: int | None = None
+    task: Task, runner: BuildsEnvs, params: SamplingParams, seed: int | None = None
 ) -> Episode:
-    """Play one episode of ``task`` with a fresh env; ``close()`` runs however it ends.
+    """One episode of ``task``: the frame every driver's episodes share.
 
-    ``seed`` makes the episode's sampling repeatable (each turn gets its own derived seed).
-    Whatever goes wrong with the env (``EnvFault``) gets the env error policy: under
-    ``"raise"`` an ``EnvStepError`` naming the env, the task and the turn stops the run;
-    under ``"retry"`` the episode is played again from the start (``with_retries``).
-    An env with a ``drive_episode`` method (the external-agent adapter, ``agents/``) plays
-    the episode itself, with the runner's sampler, codec and limits."""
-
-    async def play(episode: Episode, env: Env, params: SamplingParams, seed: int | None) -> None:
-        drive = getattr(env, "drive_episode", None)
-        if callable(drive):
-            await drive(episode, runner, params, seed)
-        else:
-            await _play(episode, env, runner, params, seed)
-
-    return await with_fresh_env(task, runner, play, params, seed)
-
-
-PlayOnce = Callable[[Episode, Env, SamplingParams, "int | None"], Awaitable[None]]
-"""One driver's try at an episode on the env it is given, with the params and seed of the
-try: token episodes (``_play``), chat episodes (``rollout/chat.py``), agents."""
-
-
-async def with_fresh_env(
-    task: Task, envs: BuildsEnvs, play: PlayOnce, params: SamplingParams, seed: int | None
-) -> Episode:
-    """The frame every episode driver shares: a fresh env, the env error policy applied to
-    whatever ``play`` raises as ``EnvFault``, and ``close()`` on every path; under
-    ``env_errors="retry"``, a failed episode played again on another fresh env."""
+    Each try gets a fresh env and the runner's driver for it (token, chat or an agent's);
+    whatever goes wrong with the env (``EnvFault``) gets the env error policy once
+    (``_env_failed``: under ``"raise"`` an ``EnvStepError`` naming the env, the task and the
+    turn stops the run); ``close()`` runs however the try ends. Under ``"retry"`` a try that
+    ended in an env error is played again on another fresh env with other sampling seeds, at
+    most ``limits.retries`` times more; the last try stands, with the errors of those before
+    it, and a failed try's episode is dropped whole, so a group keeps as many real episodes
+    as it was meant to have. ``seed`` makes the episode repeatable (each turn derives its
+    own)."""
+    limits = runner.limits
     this_task = asyncio.current_task()
     if this_task is not None:
-        envs.in_flight.tasks.add(this_task)
-    try:
-        attempt = functools.partial(_attempt, task, envs, play)
-        return await with_retries(envs.limits, params, seed, attempt)
-    finally:
-        envs.in_flight.tasks.discard(this_task)
-
-
-async def with_retries(
-    limits: EpisodeLimits,
-    params: SamplingParams,
-    seed: int | None,
-    play_once: Callable[[SamplingParams, int | None], Awaitable[Episode]],
-) -> Episode:
-    """``play_once`` until an episode ends without an env error, at most ``limits.retries``
-    times more (none unless ``env_errors="retry"``); the last one stands, with the errors of
-    the attempts before it. Each attempt samples with seeds of its own, so a failure that
-    the sampled text provoked need not repeat; a failed attempt's episode is dropped whole,
-    so the group keeps as many real episodes as it was meant to have."""
+        runner.in_flight.tasks.add(this_task)
     retried: list[str] = []
-    while True:
-        attempt_params, attempt_seed = _attempt_seeds(params, seed, len(retried))
-        episode = await play_once(attempt_params, attempt_seed)
-        if episode.env_error is None or len(retried) >= limits.retries:
-            episode.retried_env_errors = retried
-            return episode
-        retried.append(episode.env_error)
+    try:
+        while True:
+            attempt_params, attempt_seed = _attempt_seeds(params, seed, len(retried))
+            episode = Episode(task, [], [], [], [])
+            env: Env | DrivenEnv | None = None
+            try:
+                env = runner.build_env(task)
+                await runner.driver_for(env).play(episode, env, attempt_params, attempt_seed)
+            except EnvFault as fault:
+                _env_failed(episode, env, fault, limits)
+            finally:
+                if env is not None:
+                    runner.release_env(env)
+                    await _close(episode, env, limits)
+            if episode.env_error is None or len(retried) >= limits.retries:
+                episode.retried_env_errors = retried
+                return episode
+            retried.append(episode.env_error)
+    finally:
+        runner.in_flight.tasks.discard(this_task)
 
 
 def _attempt_seeds(
@@ -233,70 +220,60 @@ def _attempt_seeds(
     return params, None
 
 
-async def _attempt(
-    task: Task, envs: BuildsEnvs, play: PlayOnce, params: SamplingParams, seed: int | None
-) -> Episode:
-    """One try at the episode, on a fresh env; the env error policy applied to its faults."""
-    episode = Episode(task, [], [], [], [])
-    env: Env | None = None
-    try:
-        env = envs.build_env(task)
-        await play(episode, env, params, seed)
-    except EnvFault as fault:
-        _env_failed(episode, env, fault, envs.limits)
-    finally:
-        if env is not None:
-            envs.release_env(env)
-            await _close(episode, env, envs.limits)
-    return episode
+@dataclass(frozen=True)
+class TokenDriver:
+    """The rollout core for a model whose tokens we sample: render → sample → parse → step →
+    record, until the env or a limit ends the episode. Env trouble raises ``EnvFault``;
+    ``run_episode`` handles it."""
 
+    sampler: Sampler
+    codec: Codec
+    limits: EpisodeLimits
 
-async def _play(
-    episode: Episode, env: Env, runner: EpisodeRunner, params: SamplingParams, seed: int | None
-) -> None:
-    """The rollout core: render → sample → parse → step → record, until the env or a limit
-    ends the episode. Env trouble raises ``EnvFault``; ``run_episode`` handles it."""
-    codec, limits = runner.codec, runner.limits
-    opening = await reset_env(episode, env, limits)
-    tools = env_property(env, "tool_specs")
-    episode.add_forced(codec.render_prompt(opening, tools))
-    conversation = list(opening)  # what the tokens hold so far
-    while True:
-        if episode.num_turns >= limits.max_turns:
-            episode.truncation = TruncationCause.MAX_TURNS
-            return
-        budget = limits.max_model_length - len(episode.tokens)
-        if budget < 1:
-            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
-            return
-        max_tokens = min(limits.max_tokens_per_turn, budget)
-        turn_seed = params.seed if seed is None else derive_seed(seed, episode.num_turns)
-        turn_params = replace(params, max_tokens=max_tokens, seed=turn_seed)
-        (sampled,) = await runner.sampler.sample(episode.tokens, 1, turn_params)
-        episode.add_sampled(sampled)
-        episode.num_turns += 1
-        if sampled.stop_reason == "length" and max_tokens < limits.max_tokens_per_turn:
-            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
-            return
-        episode.length_capped_turns += sampled.stop_reason == "length"
-        parsed = codec.parse(sampled.tokens, tools)  # the schemas type the arguments
-        if parsed.message is None:
-            episode.reward = limits.failed_parse_reward
-            episode.truncation = TruncationCause.PARSE_FAILURE
-            return
-        added = await step_env(episode, env, parsed.message, conversation, limits)
-        if added is None:  # the env ended the episode
-            return
-        room = limits.max_model_length - len(episode.tokens)
-        if _surely_longer_than(added, room, codec):
-            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
-            return
-        extension = codec.render_extension(added, sampled_tokens=sampled.tokens)
-        if len(episode.tokens) + len(extension) >= limits.max_model_length:
-            episode.truncation = TruncationCause.CONTEXT_OVERFLOW
-            return
-        episode.add_forced(extension)
-        conversation += added
+    async def play(
+        self, episode: Episode, env: Env, params: SamplingParams, seed: int | None
+    ) -> None:
+        codec, limits = self.codec, self.limits
+        opening = await reset_env(episode, env, limits)
+        tools = env_property(env, "tool_specs")
+        episode.add_forced(codec.render_prompt(opening, tools))
+        conversation = list(opening)  # what the tokens hold so far
+        while True:
+            if episode.num_turns >= limits.max_turns:
+                episode.truncation = TruncationCause.MAX_TURNS
+                return
+            budget = limits.max_model_length - len(episode.tokens)
+            if budget < 1:
+                episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+                return
+            max_tokens = min(limits.max_tokens_per_turn, budget)
+            turn_seed = params.seed if seed is None else derive_seed(seed, episode.num_turns)
+            turn_params = replace(params, max_tokens=max_tokens, seed=turn_seed)
+            (sampled,) = await self.sampler.sample(episode.tokens, 1, turn_params)
+            episode.add_sampled(sampled)
+            episode.num_turns += 1
+            if sampled.stop_reason == "length" and max_tokens < limits.max_tokens_per_turn:
+                episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+                return
+            episode.length_capped_turns += sampled.stop_reason == "length"
+            parsed = codec.parse(sampled.tokens, tools)  # the schemas type the arguments
+            if parsed.message is None:
+                episode.reward = limits.failed_parse_reward
+                episode.truncation = TruncationCause.PARSE_FAILURE
+                return
+            added = await step_env(episode, env, parsed.message, conversation, limits)
+            if added is None:  # the env ended the episode
+                return
+            room = limits.max_model_length - len(episode.tokens)
+            if _surely_longer_than(added, room, codec):
+                episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+                return
+            extension = codec.render_extension(added, sampled_tokens=sampled.tokens)
+            if len(episode.tokens) + len(extension) >= limits.max_model_length:
+                episode.truncation = TruncationCause.CONTEXT_OVERFLOW
+                return
+            episode.add_forced(extension)
+            conversation += added
 
 
 def _env_call(
@@ -371,7 +348,9 @@ def _longest_token(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
-def _env_failed(episode: Episode, env: Env | None, fault: EnvFault, limits: EpisodeLimits) -> None:
+def _env_failed(
+    episode: Episode, env: Env | DrivenEnv | None, fault: EnvFault, limits: EpisodeLimits
+) -> None:
     where = f"{type(env).__name__}: " if env is not None else ""
     if limits.env_errors == "raise":
         raise EnvStepError(
@@ -383,7 +362,7 @@ def _env_failed(episode: Episode, env: Env | None, fault: EnvFault, limits: Epis
     episode.truncation = TruncationCause.ENV
 
 
-async def _close(episode: Episode, env: Env, limits: EpisodeLimits) -> None:
+async def _close(episode: Episode, env: Env | DrivenEnv, limits: EpisodeLimits) -> None:
     """``env.close()``, once per episode; a failure gets the env error policy too (under
     ``"truncate"`` and ``"retry"`` it is recorded, and counted, as the episode's
     ``close_error``: the episode itself stands, and is not played again)."""

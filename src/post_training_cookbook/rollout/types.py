@@ -13,14 +13,18 @@ This module imports neither torch nor transformers, so that a config can name it
 
 from __future__ import annotations
 
+import abc
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.types import Message
+
+if TYPE_CHECKING:
+    from post_training_cookbook.codecs import Codec
 
 
 class TruncationCause(enum.Enum):
@@ -79,6 +83,42 @@ class Sampler(Protocol):
     async def sample(
         self, prompt_tokens: list[int], n: int, params: SamplingParams
     ) -> list[SampledSequence]: ...
+
+
+class EpisodeDriver(Protocol):
+    """Plays one try at an episode on the env the runner built for it, recording what happens
+    in ``episode``; env trouble raises ``EnvFault``, which the episode frame
+    (``rollout.play.run_episode``) turns into the env error policy. The token driver
+    (``rollout/play.py``), the chat driver of hosted models (``rollout/chat.py``) and the
+    external-agent driver (``agents/``) are the three."""
+
+    async def play(
+        self, episode: Episode, env: Any, params: SamplingParams, seed: int | None
+    ) -> None: ...
+
+
+class DrivenEnv(abc.ABC):
+    """An env whose episodes a driver of its own plays, not the loop's render → sample →
+    parse → step: an external agent that calls the policy server itself (``agents/``). It
+    has no ``reset`` or ``step``; the rollout asks it for its driver, over the runner's
+    sampler, codec and limits, and closes it after every episode."""
+
+    @abc.abstractmethod
+    def driver(self, sampler: Sampler, codec: Codec, limits: EpisodeLimits) -> EpisodeDriver:
+        """The driver that plays this env's episode."""
+
+    @property
+    def tool_specs(self) -> list[dict[str, Any]]:
+        """None to render: the agent holds its own tools."""
+        return []
+
+    @property
+    def messages(self) -> list[Message]:
+        """The conversation so far (what the driver recorded)."""
+        return []
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release what the episode started."""
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
 """The OpenAI chat-completions wire format: requests checked into our records, our records
 written back as the API writes them, and errors in the API's error shape.
 
-Pure data, no HTTP and no model: the server (``app.py``) and the hosted-model client
-(``evaluation/hosted.py``) both speak through here. A request is only ever read as JSON and
-checked field by field; nothing in it is evaluated. Fields that would change sampling in a
-way the server cannot honour (penalties, logit bias, structured output, streaming, forced
-tool choice, top logprobs) are refused with a 400 that names them; fields that do not change
-what is sampled (``user``, ``metadata``, ``store``, ``parallel_tool_calls``...) are ignored.
+Pure data, no HTTP and no model: the server (``app.py``) speaks through here; what the
+server and the cookbook's clients share (``message_to_api``) is in ``openai_api.py``. A
+request is only ever read as JSON and checked field by field; nothing in it is evaluated.
+Fields that would change sampling in a way the server cannot honour (penalties, logit bias,
+structured output, streaming, forced tool choice, top logprobs) are refused with a 400 that
+names them; fields that do not change what is sampled (``user``, ``metadata``, ``store``,
+``parallel_tool_calls``...) are ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from post_training_cookbook.codecs.tool_calls import arguments_object
+from post_training_cookbook.openai_api import message_to_api
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -161,22 +163,6 @@ def message_from_api(value: Any, where: str) -> Message:
         if isinstance(value.get("reasoning_content"), str):
             message["reasoning_content"] = value["reasoning_content"]
     return message
-
-
-def message_to_api(message: Message) -> dict[str, Any]:
-    """Our ``Message`` as the API writes one (content ``None`` beside tool calls)."""
-    written: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
-    calls = message.get("tool_calls") or []
-    if calls:
-        written["tool_calls"] = [
-            {"id": call["id"], "type": "function", "function": dict(call["function"])}
-            for call in calls
-        ]
-        written["content"] = message.get("content") or None
-    for name in ("tool_call_id", "name", "reasoning_content"):
-        if name in message:
-            written[name] = message[name]
-    return written
 
 
 def completion_body(

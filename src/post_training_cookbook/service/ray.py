@@ -46,8 +46,8 @@ from typing import Any, Literal
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
-from post_training_cookbook.service.factory import check_scale_dependencies
 from post_training_cookbook.service.ray_actors import EngineSpec
+from post_training_cookbook.service.ray_env import check_scale_dependencies
 from post_training_cookbook.service.ray_startup import (
     ActorLayout,
     Actors,

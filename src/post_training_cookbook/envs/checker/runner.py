@@ -20,7 +20,7 @@ from post_training_cookbook.envs.checker.checks import (
 from post_training_cookbook.envs.checker.report import EnvCheckReport, _Findings, _Recorder
 from post_training_cookbook.envs.checker.scripts import _SCRIPTS, _ScriptContext
 from post_training_cookbook.envs.mixture import EnvMixture
-from post_training_cookbook.rollout.guards import with_longest_stretch
+from post_training_cookbook.stretches import with_longest_stretch
 from post_training_cookbook.sync import run_sync
 from post_training_cookbook.types import Message
 
