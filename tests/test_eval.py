@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 import statistics
@@ -28,8 +29,9 @@ from post_training_cookbook.evaluation import (
 from post_training_cookbook.evaluation.models import load_eval_weights
 from post_training_cookbook.evaluation.results import default_ks, summarize
 from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.models import BUNDLED_MODEL_ID
-from post_training_cookbook.rollout import Episode, Group, TruncationCause
+from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+from post_training_cookbook.rollout import Episode, EpisodeLimits, Group, TruncationCause
 
 
 def variety_eval(model, runs_dir, episodes_per_task=4, **options):
@@ -164,8 +166,30 @@ def test_eval_settings_from_a_config_are_its_validation_settings():
         env_retry_attempts=4,
     )  # fmt: skip
     settings = EvalSettings.from_config(config)
-    assert (settings.max_turns, settings.temperature, settings.episodes_per_task) == (3, 0.25, 5)
-    assert (settings.env_errors, settings.env_retry_attempts) == ("retry", 4)
+    assert (settings.limits.max_turns, settings.temperature, settings.episodes_per_task) == (
+        3,
+        0.25,
+        5,
+    )
+    assert (settings.limits.env_errors, settings.limits.env_retry_attempts) == ("retry", 4)
+    assert settings.to_dict()["max_turns"] == 3  # results keep writing their settings flat
+
+
+def test_evaluation_defaults_are_the_training_configs():
+    """``evaluate``, ``EvalSettings`` and ``EpisodeLimits`` default to ``GRPOConfig``'s
+    validation settings, so a bare evaluation compares with a default run's ``val/``."""
+    config = GRPOConfig()
+    assert EvalSettings() == EvalSettings.from_config(config)
+    assert (
+        EpisodeLimits() == RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).episodes
+    )
+    signature = inspect.signature(evaluate).parameters
+    defaults = EvalSettings()
+    for name in ("max_turns", "max_model_length", "max_tokens_per_turn", "failed_parse_reward"):
+        assert signature[name].default == getattr(defaults.limits, name), name
+    assert signature["env_errors"].default == defaults.limits.env_errors
+    for name in ("episodes_per_task", "temperature", "top_p", "success_threshold"):
+        assert signature[name].default == getattr(defaults, name), name
 
 
 # --- failures before any weights load -----------------------------------------------------------

@@ -525,3 +525,9 @@ def test_every_field_has_a_docstring_right_under_it() -> None:
             if is_docstring and isinstance(following.value.value, str):
                 documented.add(statement.target.id)
     assert sorted(set(FIELD_NAMES) - documented) == []
+
+
+def test_the_module_docstring_counts_the_fields() -> None:
+    import post_training_cookbook.grpo.config as module
+
+    assert f"dataclass of {len(FIELD_NAMES)} fields" in (module.__doc__ or "")

@@ -1,8 +1,10 @@
 """Self-hosted post-training cookbook: multi-turn GRPO for tool-use agents.
 
-Layers, each a subpackage: ``envs`` (tasks, tools, episodes) → ``codecs`` (messages ↔ tokens)
-→ ``engine`` (sampling) → ``service`` (trainer and generators behind one interface)
-→ ``grpo`` (the training loop).
+The path of an episode, one layer a subpackage: ``envs`` (tasks, tools, episodes) →
+``codecs`` (messages ↔ tokens) → ``engine`` (sampling) → ``rollout`` (episodes and groups)
+→ ``trainer`` (losses and the optimizer step) → ``service`` (trainer and generators behind
+one interface) → ``grpo`` (the training loop). ``docs/architecture.md`` has every layer in
+its order; no module imports from a layer above its own.
 """
 
 __version__ = "0.1.0"

@@ -159,13 +159,16 @@ def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalS
     base = EvalSettings.from_config(config) if config else EvalSettings()
     flags = {
         "episodes_per_task": args.episodes_per_task,
-        "max_turns": args.max_turns,
-        "max_model_length": args.max_model_length,
-        "max_tokens_per_turn": args.max_tokens_per_turn,
         "temperature": args.temperature,
         "top_p": args.top_p,
         "success_threshold": args.success_threshold,
     }
+    limits = {
+        "max_turns": args.max_turns,
+        "max_model_length": args.max_model_length,
+        "max_tokens_per_turn": args.max_tokens_per_turn,
+    }
+    base = base.with_limits(**{key: value for key, value in limits.items() if value is not None})
     return replace(base, **{key: value for key, value in flags.items() if value is not None})
 
 

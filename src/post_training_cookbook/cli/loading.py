@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import yaml
 
 if TYPE_CHECKING:
-    from post_training_cookbook.envs.base import Env, Task
+    from post_training_cookbook.envs.base import Env, EnvFactory, Task
     from post_training_cookbook.envs.mixture import EnvMixture
     from post_training_cookbook.grpo.config import GRPOConfig
 
@@ -23,7 +23,6 @@ DEFAULT_TASKS = "post_training_cookbook.envs.tool_use_game:TOOL_USE_GAME_VAL_TAS
 ENV_KEYS = ("factory", "tasks", "val_tasks")
 MIXTURE_KEYS = ("name", "factory", "tasks", "val_tasks", "weight")
 """The keys of one entry of ``env: {mixture: [...]}``: a ``MixtureEntry`` by import paths."""
-EnvFactory = Callable[["Task"], "Env"]
 EnvSection = dict[str, Any]
 """A training YAML's ``env``: import paths by key (``factory``, ``tasks``, ``val_tasks``), or
 ``{"mixture": [entry, ...]}``, each entry those paths plus a ``name`` and a ``weight``."""
@@ -160,7 +159,7 @@ def load_env_factory(spec: str) -> EnvFactory:
         raise CliError(f"{spec!r} is not callable: name an Env class or a factory(task)")
     if inspect.isclass(found) and not _required_parameters(found):
         return lambda task: cast("Env", found())
-    return cast(EnvFactory, found)
+    return cast("EnvFactory", found)
 
 
 def load_tasks(spec: str) -> list[Task]:

@@ -34,7 +34,6 @@ ValueStyle = Literal["python", "json"]
 """How a non-string value is printed: ``python`` (Qwen3.5: Jinja's ``string`` filter for
 scalars, so ``True``/``None``; JSON for lists and objects) or ``json`` (Qwen3.6 and 3.8)."""
 
-XML_MARKERS = ("<function=", "</function>", "<parameter=", "</parameter>")
 _BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.S)
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>(?=\s*(?:<parameter=|$))", re.S)

@@ -62,7 +62,7 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -71,7 +71,6 @@ from post_training_cookbook.engine.decoder import (
     EngineStats,
     Request,
     inference_copy,
-    settle,
 )
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
 from post_training_cookbook.engine.types import (
@@ -80,17 +79,11 @@ from post_training_cookbook.engine.types import (
     WeightsMode,
     due_update,
 )
+from post_training_cookbook.engine.worker import WeightsUpdate, WeightVersions, check_prompt_ids
 
 __all__ = ["EngineStats", "LocalEngine"]
 
 _CLOSED = "LocalEngine is closed"
-
-
-@dataclass(frozen=True)
-class _WeightsUpdate:
-    tensors: dict[str, torch.Tensor]
-    version: int
-    mode: WeightsMode
 
 
 class LocalEngine:
@@ -131,13 +124,10 @@ class LocalEngine:
         self._tensors = dict(engine_model.state_dict())  # names, shapes, dtypes, tied storage
         self._dtype: torch.dtype = engine_model.get_input_embeddings().weight.dtype
         self._max_batch_size = max_batch_size
-        self._latest_version = version  # of the latest update asked for, applied or not
         self._cv = threading.Condition()  # guards everything below
+        self._versions = WeightVersions(version)
         self._waiting: deque[Request] = deque()
-        self._update: _WeightsUpdate | None = None
-        self._version_waiters: list[
-            tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]
-        ] = []
+        self._update: WeightsUpdate | None = None
         self._closed = False
         self._num_threads = num_threads
         self._worker_threads = 0  # known once the worker starts
@@ -205,14 +195,14 @@ class LocalEngine:
         """
         if mode not in ("pipeline", "drain"):
             raise ValueError(f"mode must be 'pipeline' or 'drain', got {mode!r}")
-        self._check_version(version)
+        with self._cv:
+            self._versions.check_newer(version)
         tensors = self._copy_weights(weights.items() if isinstance(weights, Mapping) else weights)
         with self._cv:
             if self._closed:
                 raise RuntimeError(_CLOSED)
-            self._check_version(version)
-            self._latest_version = version
-            self._update = _WeightsUpdate(tensors, version, mode)
+            self._versions.ask(version)
+            self._update = WeightsUpdate(tensors, version, mode)
             self._cv.notify()
 
     def release_memory(self) -> None:
@@ -220,14 +210,12 @@ class LocalEngine:
 
     async def wait_for_version(self, version: int) -> None:
         """Return once weights of ``version`` or newer are applied."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
         with self._cv:
             if self._decoder.version >= version:
                 return
             if self._closed:
                 raise RuntimeError(_CLOSED)
-            self._version_waiters.append((version, loop, future))
+            future = self._versions.waiter(version)
         await future
 
     def stats(self) -> EngineStats:
@@ -252,23 +240,12 @@ class LocalEngine:
     # ---- checks and weights copies (caller's thread) ----------------------------------
 
     def _check_prompt(self, prompt_tokens: list[int], n: int) -> None:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not prompt_tokens:
-            raise ValueError("prompt_tokens is empty")
-        if min(prompt_tokens) < 0 or max(prompt_tokens) >= self._vocab_size:
-            raise ValueError(f"prompt_tokens must be ids in [0, {self._vocab_size})")
+        check_prompt_ids(prompt_tokens, n, self._vocab_size)
         max_positions = self._decoder.max_positions
         if max_positions is not None and len(prompt_tokens) > max_positions:
             length = len(prompt_tokens)
             raise ValueError(
                 f"prompt of {length} tokens exceeds the model's {max_positions} positions"
-            )
-
-    def _check_version(self, version: int) -> None:
-        if version <= self._latest_version:
-            raise ValueError(
-                f"version must increase: got {version}, latest is {self._latest_version}"
             )
 
     def _copy_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -317,7 +294,7 @@ class LocalEngine:
                         request.fail(error)
         self._fail_all(RuntimeError(_CLOSED))
 
-    def _next_work(self) -> tuple[_WeightsUpdate | None, list[Request]] | None:
+    def _next_work(self) -> tuple[WeightsUpdate | None, list[Request]] | None:
         """Wait for something to do: a due update, admissible requests, or live rows."""
         with self._cv:
             while not self._closed:
@@ -344,20 +321,15 @@ class LocalEngine:
                 budget -= request.n
         return admitted
 
-    def _apply(self, update: _WeightsUpdate) -> None:
+    def _apply(self, update: WeightsUpdate) -> None:
         self._decoder.apply_weights(update.tensors, update.version)
         with self._cv:
-            ready = [w for w in self._version_waiters if w[0] <= update.version]
-            self._version_waiters = [w for w in self._version_waiters if w[0] > update.version]
-        for _, loop, future in ready:
-            settle(loop, future)
+            self._versions.applied(update.version)
 
     def _fail_all(self, error: Exception) -> None:
         with self._cv:
             requests = list(self._waiting) + self._decoder.reset()
-            waiters, self._version_waiters = self._version_waiters, []
             self._waiting.clear()
+            self._versions.fail(error)
         for request in requests:
             request.fail(error)
-        for _, loop, future in waiters:
-            settle(loop, future, error=error)

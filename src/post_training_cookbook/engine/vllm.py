@@ -51,7 +51,6 @@ from typing import Any
 
 import torch
 
-from post_training_cookbook.engine.decoder import settle
 from post_training_cookbook.engine.types import (
     SampledSequence,
     SamplingParams,
@@ -62,7 +61,6 @@ from post_training_cookbook.engine.vllm_records import (
     LiveSequence,
     PendingCall,
     VLLMEngineStats,
-    WeightsUpdate,
     lora_rank_slot,
     on_cpu,
     reload_weights_on_worker,
@@ -70,6 +68,7 @@ from post_training_cookbook.engine.vllm_records import (
     to_vllm_params,
     torch_dtype,
 )
+from post_training_cookbook.engine.worker import WeightsUpdate, WeightVersions, check_prompt_ids
 
 __all__ = ["VLLM_ENV_DEFAULTS", "VLLMEngine", "VLLMEngineStats"]
 
@@ -147,7 +146,7 @@ class VLLMEngine:
         self._tied = bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
         self._in_process = hasattr(self._engine, "model_executor")
         self._version = 0
-        self._latest_version = 0
+        self._versions = WeightVersions(0)
         self._stats = VLLMEngineStats()
         self._call_ids = itertools.count()
         self._live: dict[str, LiveSequence] = {}  # worker thread only
@@ -157,8 +156,6 @@ class VLLMEngine:
         self._update: WeightsUpdate | None = None
         self._lora: Any = None  # the vllm.lora.request.LoRARequest new requests sample with
         self._lora_folder: tempfile.TemporaryDirectory[str] | None = None
-        self._version_waiters: list[tuple[int, asyncio.AbstractEventLoop, asyncio.Future[None]]]
-        self._version_waiters = []
         self._closed = False
         self._sleep_asked = False  # release the KV cache once idle
         self._sleeping = False  # worker thread only
@@ -223,7 +220,8 @@ class VLLMEngine:
         returns; ``version`` must increase."""
         if mode not in ("pipeline", "drain"):
             raise ValueError(f"mode must be 'pipeline' or 'drain', got {mode!r}")
-        self._check_version(version)
+        with self._cv:
+            self._versions.check_newer(version)
         pairs = weights.items() if isinstance(weights, Mapping) else weights
         tensors = {
             name: tensor.detach().to("cpu", self._dtype, copy=True).contiguous()
@@ -233,8 +231,7 @@ class VLLMEngine:
         with self._cv:
             if self._closed:
                 raise RuntimeError(_CLOSED)
-            self._check_version(version)
-            self._latest_version = version
+            self._versions.ask(version)
             self._update = WeightsUpdate(tensors, version, mode)
             self._cv.notify()
 
@@ -246,26 +243,24 @@ class VLLMEngine:
         needs ``max_lora_rank``; ``version`` must increase. Copies, then returns."""
         if self._engine.vllm_config.lora_config is None:
             raise ValueError("this engine was built without max_lora_rank: LoRA is off")
-        self._check_version(version)
+        with self._cv:
+            self._versions.check_newer(version)
         copies = {name: t.detach().to("cpu", copy=True).contiguous() for name, t in tensors.items()}
         with self._cv:
             if self._closed:
                 raise RuntimeError(_CLOSED)
-            self._check_version(version)
-            self._latest_version = version
+            self._versions.ask(version)
             self._update = WeightsUpdate(copies, version, "drain", dict(config))
             self._cv.notify()
 
     async def wait_for_version(self, version: int) -> None:
         """Return once weights of ``version`` or newer are applied."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
         with self._cv:
             if self._version >= version:
                 return
             if self._closed:
                 raise RuntimeError(_CLOSED)
-            self._version_waiters.append((version, loop, future))
+            future = self._versions.waiter(version)
         await future
 
     def stats(self) -> VLLMEngineStats:
@@ -289,22 +284,11 @@ class VLLMEngine:
     # ---- caller's side -----------------------------------------------------------------
 
     def _check_prompt(self, tokens: list[int], n: int, room: int) -> None:
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        if not tokens:
-            raise ValueError("prompt_tokens is empty")
-        if min(tokens) < 0 or max(tokens) >= self._vocab_size:
-            raise ValueError(f"prompt_tokens must be ids in [0, {self._vocab_size})")
+        check_prompt_ids(tokens, n, self._vocab_size)
         if len(tokens) + room > self.max_model_len:
             raise ValueError(
                 f"prompt of {len(tokens)} tokens leaves no room in the engine's "
                 f"max_model_len of {self.max_model_len}"
-            )
-
-    def _check_version(self, version: int) -> None:
-        if version <= self._latest_version:
-            raise ValueError(
-                f"version must increase: got {version}, latest is {self._latest_version}"
             )
 
     async def _submit(self, tokens: list[int], n: int, params: Any, *, scoring: bool) -> Any:
@@ -436,10 +420,7 @@ class VLLMEngine:
         if not self._live:
             self._engine.reset_prefix_cache()  # frees old-version blocks; salts cover the rest
         with self._cv:
-            ready = [w for w in self._version_waiters if w[0] <= update.version]
-            self._version_waiters = [w for w in self._version_waiters if w[0] > update.version]
-        for _, loop, future in ready:
-            settle(loop, future)
+            self._versions.applied(update.version)
 
     def _swap_adapter(
         self, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int
@@ -470,8 +451,6 @@ class VLLMEngine:
         self._fail_live(error)
         with self._cv:
             waiting, self._waiting = list(self._waiting), deque()
-            waiters, self._version_waiters = self._version_waiters, []
+            self._versions.fail(error)
         for call in waiting:
             call.fail(error)
-        for _, loop, future in waiters:
-            settle(loop, future, error=error)

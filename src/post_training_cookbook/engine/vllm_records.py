@@ -14,7 +14,6 @@ from post_training_cookbook.engine.types import (
     PolicySegment,
     SampledSequence,
     SamplingParams,
-    WeightsMode,
 )
 
 
@@ -80,15 +79,6 @@ class LiveSequence:
     def finish(self, reason: str | None) -> SampledSequence:
         stop_reason: Literal["stop", "length"] = "stop" if reason == "stop" else "length"
         return SampledSequence(self.tokens, self.logprobs, stop_reason, self.segments)
-
-
-@dataclass(frozen=True)
-class WeightsUpdate:
-    tensors: dict[str, torch.Tensor]
-    version: int
-    mode: WeightsMode
-    adapter_config: dict[str, Any] | None = None
-    """Set for a LoRA adapter (``tensors`` under PEFT's names), None for full weights."""
 
 
 def lora_rank_slot(rank: int) -> int:

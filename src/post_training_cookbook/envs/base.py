@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -93,6 +94,10 @@ class Env(abc.ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
         """Release what ``reset`` started. Called once per episode end, for every cause."""
+
+
+EnvFactory = Callable[[Task], Env]
+"""Builds a fresh env for each episode of a task: ``env_factory(task)``."""
 
 
 def tool_to_spec(tool: Tool) -> ToolSpec:

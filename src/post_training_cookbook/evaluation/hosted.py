@@ -161,10 +161,10 @@ async def play_hosted(
 ) -> list[Group]:
     """One group of ``settings.episodes_per_task`` chat episodes per task, on ``hosted``."""
     sampler = OpenAIChatSampler(hosted, hosted.api_key())
-    limits = settings.episode_limits()
+    limits = settings.limits
     runner = ChatRunner(env_factory, sampler, limits)
     params = SamplingParams(
-        max_tokens=settings.max_tokens_per_turn,
+        max_tokens=settings.limits.max_tokens_per_turn,
         temperature=settings.temperature,
         top_p=settings.top_p,
     )

@@ -25,8 +25,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.rollout import (
-    ENV_ERROR_POLICIES,
-    EnvErrorPolicy,
     EpisodeLimits,
     Group,
     TruncationCause,
@@ -49,31 +47,19 @@ class EvalSettings:
     """Everything that decides a score besides the model: equal settings, comparable numbers."""
 
     episodes_per_task: int = 1
-    max_turns: int = 6
-    max_model_length: int = 2048
-    max_tokens_per_turn: int = 256
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    """The bounds every evaluated episode plays within and the env error policy (defaults:
+    ``GRPOConfig``'s)."""
     temperature: float = 1.0
     top_p: float = 1.0
     success_threshold: float = 1.0
     """An episode passes (for pass@k) when its reward is at least this."""
-    failed_parse_reward: float = 0.0
-    env_errors: EnvErrorPolicy = "raise"
-    env_step_timeout_s: float | None = 60.0
-    env_retry_attempts: int = 2
-    """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
-        for name in ("episodes_per_task", "max_turns", "max_model_length", "max_tokens_per_turn"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.episodes_per_task < 1:
+            raise ValueError(f"episodes_per_task must be >= 1, got {self.episodes_per_task}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.env_errors not in ENV_ERROR_POLICIES:
-            raise ValueError(
-                f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
-            )
-        if self.env_retry_attempts < 1:
-            raise ValueError(f"env_retry_attempts must be >= 1, got {self.env_retry_attempts}")
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> EvalSettings:
@@ -81,34 +67,45 @@ class EvalSettings:
         ``val_episodes_per_task``, so an evaluation compares with its ``val/`` numbers."""
         return cls(
             episodes_per_task=config.val_episodes_per_task,
-            max_turns=config.max_turns,
-            max_model_length=config.max_model_length,
-            max_tokens_per_turn=config.max_tokens_per_turn,
+            limits=EpisodeLimits(
+                max_turns=config.max_turns,
+                max_model_length=config.max_model_length,
+                max_tokens_per_turn=config.max_tokens_per_turn,
+                failed_parse_reward=config.failed_parse_reward,
+                env_step_timeout_s=config.env_step_timeout_s,
+                env_errors=config.env_errors,
+                env_retry_attempts=config.env_retry_attempts,
+            ),
             temperature=config.val_temperature,
             top_p=config.top_p,
-            failed_parse_reward=config.failed_parse_reward,
-            env_errors=config.env_errors,
-            env_step_timeout_s=config.env_step_timeout_s,
-            env_retry_attempts=config.env_retry_attempts,
         )
 
-    def episode_limits(self) -> EpisodeLimits:
-        """The limits and the env error policy every evaluated episode plays under."""
-        return EpisodeLimits(
-            max_turns=self.max_turns,
-            max_model_length=self.max_model_length,
-            max_tokens_per_turn=self.max_tokens_per_turn,
-            failed_parse_reward=self.failed_parse_reward,
-            env_step_timeout_s=self.env_step_timeout_s,
-            env_errors=self.env_errors,
-            env_retry_attempts=self.env_retry_attempts,
-        )
+    def with_limits(self, **changes: Any) -> EvalSettings:
+        """These settings with some of the episode limits changed."""
+        return replace(self, limits=replace(self.limits, **changes))
+
+    def to_dict(self) -> dict[str, Any]:
+        """One flat mapping, as evaluation results have always written their settings."""
+        limits = self.limits
+        return {
+            "episodes_per_task": self.episodes_per_task,
+            "max_turns": limits.max_turns,
+            "max_model_length": limits.max_model_length,
+            "max_tokens_per_turn": limits.max_tokens_per_turn,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "success_threshold": self.success_threshold,
+            "failed_parse_reward": limits.failed_parse_reward,
+            "env_errors": limits.env_errors,
+            "env_step_timeout_s": limits.env_step_timeout_s,
+            "env_retry_attempts": limits.env_retry_attempts,
+        }
 
     def describe(self) -> str:
         return (
-            f"{self.episodes_per_task} episode(s) per task, max_turns {self.max_turns}, "
-            f"max_model_length {self.max_model_length}, max_tokens_per_turn "
-            f"{self.max_tokens_per_turn}, temperature {self.temperature:g}"
+            f"{self.episodes_per_task} episode(s) per task, max_turns {self.limits.max_turns}, "
+            f"max_model_length {self.limits.max_model_length}, max_tokens_per_turn "
+            f"{self.limits.max_tokens_per_turn}, temperature {self.temperature:g}"
         )
 
 
@@ -172,6 +169,7 @@ class EvalResult:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, groups=[]))  # asdict would deep-copy every episode
         data.pop("groups")
+        data["settings"] = self.settings.to_dict()
         data["output_dir"] = str(self.output_dir) if self.output_dir else None
         return data
 

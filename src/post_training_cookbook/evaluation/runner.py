@@ -26,12 +26,12 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.evaluation.hosted import HostedModel, play_hosted
 from post_training_cookbook.evaluation.models import (
     EvalModel,
@@ -48,6 +48,7 @@ from post_training_cookbook.evaluation.results import (
 from post_training_cookbook.models.catalog import check_model_can_sample
 from post_training_cookbook.rollout import (
     EnvErrorPolicy,
+    EpisodeLimits,
     EpisodeRunner,
     Group,
     check_episode_inputs,
@@ -55,9 +56,6 @@ from post_training_cookbook.rollout import (
     play_group,
 )
 from post_training_cookbook.sync import run_sync
-
-EnvFactory = Callable[[Task], Env]
-
 
 ModelToScore = str | os.PathLike[str] | HostedModel
 
@@ -98,16 +96,19 @@ def evaluate(
     Bad input raises ``ValueError`` before any weights load. Callable from sync code, also
     inside a running event loop; ``aevaluate`` is the async form.
     """
-    settings = EvalSettings(
-        episodes_per_task=episodes_per_task,
+    limits = EpisodeLimits(
         max_turns=max_turns,
         max_model_length=max_model_length,
         max_tokens_per_turn=max_tokens_per_turn,
+        failed_parse_reward=failed_parse_reward,
+        env_errors=env_errors,
+    )
+    settings = EvalSettings(
+        episodes_per_task=episodes_per_task,
+        limits=limits,
         temperature=temperature,
         top_p=top_p,
         success_threshold=success_threshold,
-        failed_parse_reward=failed_parse_reward,
-        env_errors=env_errors,
     )
     coroutine = aevaluate(
         model_or_checkpoint, tasks, env_factory, settings,
@@ -149,7 +150,7 @@ async def aevaluate(
 
         model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
         ks = _checked(tasks, env_factory, settings, pass_k, label)
-        check_model_can_sample(model.info, settings.max_model_length)
+        check_model_can_sample(model.info, settings.limits.max_model_length)
         engine_device = resolve_device(device)
         name, source, tokenizer = model.name, model.source, model.tokenizer_info.source
         groups = await _play(
@@ -238,10 +239,10 @@ async def _play(
         max_batch_size=max_batch_size,
         copy_model=False,
     )
-    limits = settings.episode_limits()
+    limits = settings.limits
     runner = EpisodeRunner(env_factory, engine, codec, limits)
     params = SamplingParams(
-        max_tokens=settings.max_tokens_per_turn,
+        max_tokens=settings.limits.max_tokens_per_turn,
         temperature=settings.temperature,
         top_p=settings.top_p,
         stop_token_ids=codec.stop_token_ids,

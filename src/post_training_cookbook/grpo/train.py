@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
-from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.envs.single_turn import SingleTurnEnv
 from post_training_cookbook.files import commit_folder, partial_folder
@@ -38,8 +38,6 @@ from post_training_cookbook.rollout import EpisodeRunner, EpisodesInFlight, chec
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import check_service_spec, open_service
 from post_training_cookbook.sync import run_sync
-
-EnvFactory = Callable[[Task], Env]
 
 
 def train_multi_turn(

@@ -47,11 +47,12 @@ ENV_ERROR_POLICIES: tuple[str, ...] = get_args(EnvErrorPolicy)
 
 @dataclass(frozen=True)
 class EpisodeLimits:
-    """The bounds an episode plays within, and the env error policy."""
+    """The bounds an episode plays within, and the env error policy. The defaults are
+    ``GRPOConfig``'s (a test keeps them equal), so evaluation plays as training validates."""
 
-    max_turns: int
-    max_model_length: int
-    max_tokens_per_turn: int
+    max_turns: int = 6
+    max_model_length: int = 2048
+    max_tokens_per_turn: int = 256
     failed_parse_reward: float = 0.0
     env_step_timeout_s: float | None = 60.0
     """A ``reset``/``step``/``close`` that takes longer is an env error (None = no limit)."""

@@ -91,11 +91,6 @@ def _without_base_layers(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
-def inference_state_dict(model: torch.nn.Module, adapter: str) -> dict[str, Tensor]:
-    """``inference_tensors`` as one state dict (tied names share one tensor)."""
-    return {name: tensor for names, tensor in inference_tensors(model, adapter) for name in names}
-
-
 def save_inference_checkpoint(
     path: str | os.PathLike[str],
     model: PreTrainedModel,

@@ -1,4 +1,4 @@
-"""Policy-gradient losses, one function per variant, picked once with ``get_loss_fn``.
+"""Policy-gradient losses, one function per variant, looked up by name (``get_loss_fn``).
 
 Every loss takes per-token ``[batch, time]`` tensors aligned with ``TrainingSample``
 (position ``t`` scores ``tokens[t]``) and returns ``(loss, metrics)``:
