@@ -26,6 +26,7 @@ Tools are ``Tool`` objects or plain typed, documented functions (made into tools
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -98,6 +99,14 @@ class ToolEnv(Env):
     @property
     def tool_specs(self) -> list[ToolSpec]:
         return [tool_to_spec(tool) for tool in self.tools.values()]
+
+    async def close(self) -> None:
+        """Close the tools that hold something for the episode (an async ``close``: a
+        sandbox's scratch folder, an MCP server started for the episode)."""
+        for tool in self.tools.values():
+            close = getattr(tool, "close", None)
+            if inspect.iscoroutinefunction(close):
+                await close()
 
     @property
     def messages(self) -> list[Message]:
