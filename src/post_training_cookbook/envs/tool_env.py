@@ -18,7 +18,8 @@ An episode ends
 
 The final step's metrics count the episode's tool calls, tool errors and turns, plus what the
 reward function reports (a ``Rubric``'s criteria). What ``reward_fn`` raises (a judge that
-cannot answer) escapes ``step``: the rollout makes it an env error, under ``env_errors``.
+cannot answer), and a tool's ``ToolBackendError`` (its server died), escape ``step``: the
+rollout makes them env errors, under ``env_errors``.
 
 Tools are ``Tool`` objects or plain typed, documented functions (made into tools by
 ``function_tool``), plus the env's own ``@function_tool`` methods, bound to the episode's env.
@@ -30,7 +31,14 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, tool_to_spec
+from post_training_cookbook.envs.base import (
+    Env,
+    StepResult,
+    Task,
+    Tool,
+    ToolBackendError,
+    tool_to_spec,
+)
 from post_training_cookbook.envs.rewards import RewardFn, score_answer
 from post_training_cookbook.envs.tools import FunctionTool, as_tool
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
@@ -144,6 +152,8 @@ class ToolEnv(Env):
                 raise ValueError(f"unknown tool '{name}'; available: {', '.join(self.tools)}")
             result = await tool.execute(call["function"]["arguments"])
             content, should_stop = result.content, result.should_stop
+        except ToolBackendError:
+            raise  # not the call's fault: an env error, under the run's env_errors
         except Exception as exc:
             self.num_tool_errors += 1
             content, should_stop = self.tool_error(exc), False

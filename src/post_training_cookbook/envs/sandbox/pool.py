@@ -18,6 +18,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from post_training_cookbook.envs.base import ToolBackendError
 from post_training_cookbook.envs.sandbox.config import (
     UNSAFE_SUBPROCESS_RISK,
     SandboxConfig,
@@ -93,7 +94,10 @@ class SandboxPool:
     async def run(self, scratch: Path, program: list[str]) -> RunOutcome:
         """Run ``program`` with ``scratch`` as its folder once a slot is free."""
         async with self._gate():
-            return await run_isolated(self.config, self.bwrap, scratch, program)
+            try:
+                return await run_isolated(self.config, self.bwrap, scratch, program)
+            except OSError as exc:  # no process could be started (out of memory, of pids)
+                raise ToolBackendError(f"the sandbox could not start: {exc}") from exc
 
     def _gate(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
