@@ -8,7 +8,15 @@ weighted mixtures of envs (``mixture``).
 
 from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.envs.arithmetic import safe_eval
-from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, ToolResult, tool_to_spec
+from post_training_cookbook.envs.base import (
+    Env,
+    StepResult,
+    Task,
+    Tool,
+    ToolBackendError,
+    ToolResult,
+    tool_to_spec,
+)
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
 from post_training_cookbook.envs.judge import JudgeError, JudgeReward, OpenAIJudge
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
@@ -37,6 +45,7 @@ __all__ = [
     "StepResult",
     "Task",
     "Tool",
+    "ToolBackendError",
     "ToolEnv",
     "ToolResult",
     "check_env",

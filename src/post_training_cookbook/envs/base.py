@@ -36,10 +36,20 @@ class Task:
 
 @dataclass(frozen=True)
 class ToolResult:
-    """What a tool returns. ``should_stop`` asks the env to end the episode; the env decides."""
+    """What a tool returns. ``should_stop`` asks the env to end the episode; the env decides.
+    ``structured_content``: the result as data, when the tool gives one (an MCP tool's
+    ``structuredContent``); the model reads ``content``."""
 
     content: str
     should_stop: bool = False
+    structured_content: Any = None
+
+
+class ToolBackendError(RuntimeError):
+    """What a tool raises when what it runs on failed (an MCP server that died or did not
+    answer, a sandbox that could not start), not the call: ``ToolEnv`` does not report it
+    to the model but lets it out of ``step``, so the rollout makes it an env error under
+    ``env_errors``."""
 
 
 @dataclass

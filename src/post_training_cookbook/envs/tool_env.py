@@ -18,7 +18,8 @@ An episode ends
 
 The final step's metrics count the episode's tool calls, tool errors and turns, plus what the
 reward function reports (a ``Rubric``'s criteria). What ``reward_fn`` raises (a judge that
-cannot answer) escapes ``step``: the rollout makes it an env error, under ``env_errors``.
+cannot answer), and a tool's ``ToolBackendError`` (its server died), escape ``step``: the
+rollout makes them env errors, under ``env_errors``.
 
 Tools are ``Tool`` objects or plain typed, documented functions (made into tools by
 ``function_tool``), plus the env's own ``@function_tool`` methods, bound to the episode's env.
@@ -26,10 +27,18 @@ Tools are ``Tool`` objects or plain typed, documented functions (made into tools
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, tool_to_spec
+from post_training_cookbook.envs.base import (
+    Env,
+    StepResult,
+    Task,
+    Tool,
+    ToolBackendError,
+    tool_to_spec,
+)
 from post_training_cookbook.envs.rewards import RewardFn, score_answer
 from post_training_cookbook.envs.tools import FunctionTool, as_tool
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
@@ -99,6 +108,14 @@ class ToolEnv(Env):
     def tool_specs(self) -> list[ToolSpec]:
         return [tool_to_spec(tool) for tool in self.tools.values()]
 
+    async def close(self) -> None:
+        """Close the tools that hold something for the episode (an async ``close``: a
+        sandbox's scratch folder, an MCP server started for the episode)."""
+        for tool in self.tools.values():
+            close = getattr(tool, "close", None)
+            if inspect.iscoroutinefunction(close):
+                await close()
+
     @property
     def messages(self) -> list[Message]:
         return list(self._messages)
@@ -135,6 +152,8 @@ class ToolEnv(Env):
                 raise ValueError(f"unknown tool '{name}'; available: {', '.join(self.tools)}")
             result = await tool.execute(call["function"]["arguments"])
             content, should_stop = result.content, result.should_stop
+        except ToolBackendError:
+            raise  # not the call's fault: an env error, under the run's env_errors
         except Exception as exc:
             self.num_tool_errors += 1
             content, should_stop = self.tool_error(exc), False
