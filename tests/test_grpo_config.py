@@ -121,7 +121,7 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"env_errors": "ignore"}, ["env_errors", "'truncate'"]),
     ({"dtype": "float16"}, ["dtype", "'bfloat16'"]),
     ({"warmup_steps": 101}, ["warmup_steps", "num_steps"]),
-    ({"top_p": 0.0}, ["top_p", "(0, 1]"]),
+    ({"top_p": 0.0}, ["top_p", "[1e-6, 1]"]),
     ({"top_p": 1.5}, ["top_p"]),
     ({"temperature": -0.1}, ["temperature"]),
     ({"val_temperature": -1.0}, ["val_temperature"]),

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from typing import Any, TypeVar
 
 from post_training_cookbook.envs.base import StepResult
-from post_training_cookbook.types import Message
+from post_training_cookbook.types import Message, content_problem, content_text
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -43,6 +43,11 @@ turn: the loop samples those)."""
 
 class EnvFault(Exception):
     """An env call failed or an env broke its contract; the message says which and how."""
+
+
+class EnvRaisedBaseException(Exception):
+    """An env call raised ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit``: an env
+    error like any other, not the end of the run."""
 
 
 class _Stretches:
@@ -69,6 +74,9 @@ class _Stretches:
                     yielded = self._coroutine.throw(error)
             except StopIteration as stop:
                 return stop.value
+            except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+                # the env's own, not the run's: asyncio would stop the event loop on them
+                raise EnvRaisedBaseException(f"raised {type(exc).__name__}({exc})") from None
             finally:
                 watch.leave()
                 self.longest_s = max(self.longest_s, time.perf_counter() - started)
@@ -135,9 +143,11 @@ async def call_env(
     if not done:
         await _cancel(call, stretches)
         raise EnvFault(f"env.{what} timed out after {timeout_s}s")
+    if call.cancelled():  # nobody cancelled it: the env raised CancelledError itself
+        raise EnvFault(f"env.{what} raised CancelledError without being cancelled")
     try:
         return call.result()
-    except Exception as exc:
+    except BaseException as exc:  # a BaseException subclass of the env's is an env error too
         raise EnvFault(f"env.{what} raised {exc!r}") from exc
 
 
@@ -203,16 +213,26 @@ watch = BlockWatch()
 
 
 def checked_messages(value: Any, what: str) -> list[Message]:
-    """``value`` as a list of messages with known roles, or ``EnvFault``."""
+    """``value`` as a list of messages with known roles and content a codec can render, or
+    ``EnvFault``. Content in the OpenAI content-parts form comes back joined into its text
+    (the codec renders text, and the episode records what was rendered); content of any other
+    type (an int, a dict, bytes) would render as nothing, so it is refused."""
     if not isinstance(value, list):
         raise EnvFault(f"{what} is a {type(value).__name__}, not a list of messages")
+    checked = []
     for index, message in enumerate(value):
         if not isinstance(message, dict):
             raise EnvFault(f"{what}[{index}] is a {type(message).__name__}, not a message")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise EnvFault(f"{what}[{index}] has role {role!r}; roles are {', '.join(ROLES)}")
-    return value
+        content = message.get("content")
+        if (problem := content_problem(content)) is not None:
+            raise EnvFault(f"{what}[{index}] ({role}) has {problem}")
+        if isinstance(content, list):
+            message = Message(**{**message, "content": content_text(content) or ""})  # type: ignore[typeddict-item]
+        checked.append(message)
+    return checked
 
 
 def checked_step(result: Any) -> StepResult:
