@@ -309,6 +309,10 @@ class GRPOConfig:
     resume: bool = setting(False, resume_needs_run_name)
     """Continue ``runs_dir/run_name/`` from its newest checkpoint that reads back whole
     (``grpo/runs.py``: which one, what may change). Needs ``run_name``."""
+    resume_allow_missing_files: bool = False
+    """Resume a run that has checkpoints but lost its ``metrics.jsonl`` or ``config.yaml``
+    (its history then starts at the checkpoint). Off: such a resume is refused, saying
+    which file is gone (``grpo/run_checks.py``)."""
 
     # Validation
     validation_interval: int = setting(10, at_least(0))
@@ -415,9 +419,13 @@ class GRPOConfig:
         ``ValueError`` names the file and the bad key."""
         source = Path(path)
         try:
-            data = yaml.load(source.read_text(), Loader=ConfigYamlLoader)
+            data = yaml.load(source.read_text(encoding="utf-8"), Loader=ConfigYamlLoader)
         except yaml.YAMLError as exc:
             raise ValueError(f"{source}: not valid YAML: {exc}") from exc
+        except UnicodeDecodeError:
+            raise ValueError(f"{source}: not text (not UTF-8): not a config file") from None
+        except OSError as exc:
+            raise ValueError(f"{source}: cannot be read ({exc.strerror})") from None
         try:
             return cls.from_dict({} if data is None else data)
         except ValueError as exc:
