@@ -322,6 +322,7 @@ def non_default_config() -> GRPOConfig:
         seed=7,
         checkpoint_interval=5,
         resume=True,
+        resume_allow_missing_files=True,
         validation_interval=0,
         sequential_validation=True,
         val_episodes_per_task=2,
