@@ -22,6 +22,12 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class RaisedBaseException(Exception):
+    """The coroutine raised ``SystemExit``, ``KeyboardInterrupt`` or ``GeneratorExit``: its
+    own error, not the end of the run (asyncio would stop the event loop on them), so it is
+    handed on as an ordinary exception."""
+
+
 class Stretches(Coroutine[Any, Any, Any]):
     """A coroutine, driven step by step, that keeps the longest stretch it ran without
     yielding to the event loop. It is a coroutine itself, so a task runs it directly: no
@@ -40,6 +46,8 @@ class Stretches(Coroutine[Any, Any, Any]):
         watch.enter(self._label, started)
         try:
             return self._coroutine.send(value)  # its StopIteration ends this coroutine too
+        except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+            raise RaisedBaseException(f"raised {type(exc).__name__}({exc})") from None
         finally:
             watch.leave()
             self.longest_s = max(self.longest_s, time.perf_counter() - started)
@@ -56,6 +64,8 @@ class Stretches(Coroutine[Any, Any, Any]):
         watch.enter(self._label, started)
         try:
             return self._coroutine.throw(error)
+        except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+            raise RaisedBaseException(f"raised {type(exc).__name__}({exc})") from None
         finally:
             watch.leave()
             self.longest_s = max(self.longest_s, time.perf_counter() - started)

@@ -46,3 +46,29 @@ class ToolSpec(TypedDict):
 
     type: Literal["function"]
     function: FunctionSpec
+
+
+def content_text(content: Any) -> str | None:
+    """A message's ``content`` as the text a codec renders: a string as it is, ``None`` as
+    ``None``, the OpenAI content-parts form (``[{"type": "text", "text": ...}]``) joined;
+    ``None`` for anything else, which no codec can render (``content_problem`` says why)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and content_problem(content) is None:
+        return "".join(part["text"] for part in content)
+    return None
+
+
+def content_problem(content: Any) -> str | None:
+    """Why ``content`` is no message content, or None when a codec can render it."""
+    if content is None or isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f"content of type {type(content).__name__}: content must be a string"
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            return f"content part {index} is {kind!r}: only text parts can be rendered"
+        if not isinstance(part.get("text"), str):
+            return f"content part {index} has no string 'text'"
+    return None

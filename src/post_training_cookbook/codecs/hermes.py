@@ -40,7 +40,7 @@ from post_training_cookbook.codecs.tool_calls import (
     split_bare_json_calls,
     split_tagged_calls,
 )
-from post_training_cookbook.types import Message, ToolCall, ToolSpec
+from post_training_cookbook.types import Message, ToolCall, ToolSpec, content_text
 
 HERMES_CHAT_TEMPLATE: str = (
     files("post_training_cookbook.codecs").joinpath("templates/hermes.jinja").read_text("utf-8")
@@ -81,8 +81,7 @@ def render_tool_calls(calls: list[ToolCall], *, after_content: bool) -> str:
 
 def text_of(message: Message) -> str:
     """A message's content, ``""`` when it has none."""
-    content = message.get("content")
-    return content if isinstance(content, str) else ""
+    return content_text(message.get("content")) or ""
 
 
 def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:

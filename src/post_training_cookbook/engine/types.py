@@ -13,6 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
+MIN_TEMPERATURE = 1e-3
+"""The lowest temperature above 0 that sampling takes: logits divided by much less overflow
+to infinity (NaN log-probabilities, the same token every time). Below it, use 0 (greedy)."""
+MIN_TOP_P = 1e-6
+"""The lowest ``top_p``: a smaller one keeps only the most likely token, as this one does."""
+
+
+def temperature_problem(value: float) -> str | None:
+    """Why ``value`` is no sampling temperature, or None when it is one."""
+    if not value >= 0.0:  # also rejects NaN
+        return f"must be >= 0, got {value}"
+    if 0.0 < value < MIN_TEMPERATURE:
+        return f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {value:g}"
+    if value == float("inf"):
+        return f"must be finite, got {value}"
+    return None
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -28,10 +45,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if (problem := temperature_problem(self.temperature)) is not None:
+            raise ValueError(f"temperature {problem}")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if any(token < 0 for token in self.stop_token_ids):

@@ -47,7 +47,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.openai_api import api_key_from_env, async_client, is_retried
@@ -263,15 +263,44 @@ class JudgeReward:
         return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
 
+class ResponseTooLarge(JudgeRefused):
+    """An endpoint's response was longer than the judge's ``max_response_bytes``."""
+
+
+async def bounded_body(chunks: Any, max_bytes: int) -> bytes:
+    """The bytes of ``chunks`` (an async iterator), or ``ResponseTooLarge`` as soon as they
+    pass ``max_bytes``: nothing past the bound is held."""
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > max_bytes:
+            raise ResponseTooLarge(
+                f"the response passed max_response_bytes={max_bytes:,}; a judge's answer is "
+                "a few hundred tokens"
+            )
+    return bytes(body)
+
+
 class OpenAIJudge:
     """A judge behind an OpenAI-compatible chat endpoint, through the ``openai`` client (the
     ``openai`` extra). ``base_url`` defaults to ``$OPENAI_BASE_URL`` (else OpenAI's); the key
     is read from the environment variable ``api_key_env`` (None: an endpoint without one).
-    The client's own retries are off: ``JudgeReward`` retries."""
+    The client's own retries are off: ``JudgeReward`` retries. A response body longer than
+    ``max_response_bytes`` is not read on: the judgement fails (an env error under the run's
+    ``env_errors``), since a judge's answer is a few hundred tokens and a huge one only costs
+    memory (16 answers of 50 MB in flight would hold gigabytes)."""
 
     def __init__(
-        self, model: str, *, base_url: str | None = None, api_key_env: str | None = "OPENAI_API_KEY"
+        self,
+        model: str,
+        *,
+        base_url: str | None = None,
+        api_key_env: str | None = "OPENAI_API_KEY",
+        max_response_bytes: int = 1_000_000,
     ) -> None:
+        if not max_response_bytes >= 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {max_response_bytes}")
+        self.max_response_bytes = max_response_bytes
         self.model = model
         self.base_url = base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1"
         key = api_key_from_env(api_key_env, self.base_url)
@@ -284,12 +313,14 @@ class OpenAIJudge:
         import openai
 
         try:
-            response = await self._client.chat.completions.create(
+            request = self._client.chat.completions.with_streaming_response.create(
                 model=self.model,
                 messages=messages,  # type: ignore[arg-type]
                 max_completion_tokens=max_tokens,
                 temperature=temperature,
             )
+            async with request as response:
+                body = await bounded_body(response.iter_bytes(), self.max_response_bytes)
         except openai.APIStatusError as exc:
             if not is_retried(exc):
                 said = exc.body.get("message") if isinstance(exc.body, dict) else None
@@ -297,7 +328,8 @@ class OpenAIJudge:
                     f"{self.base_url} answered HTTP {exc.status_code}: {said or exc}"
                 ) from exc
             raise
-        choices = response.choices or []
+        completion = openai.types.chat.ChatCompletion.model_validate_json(body)
+        choices = completion.choices or []
         return (choices[0].message.content or "") if choices else ""
 
     async def close(self) -> None:

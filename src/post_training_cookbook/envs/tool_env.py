@@ -40,6 +40,7 @@ from post_training_cookbook.envs.base import (
     tool_to_spec,
 )
 from post_training_cookbook.envs.rewards import RewardFn, score_answer
+from post_training_cookbook.envs.tool_calls import crashed, is_run_cancellation
 from post_training_cookbook.envs.tools import FunctionTool, as_tool
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
@@ -154,9 +155,12 @@ class ToolEnv(Env):
             content, should_stop = result.content, result.should_stop
         except ToolBackendError:
             raise  # not the call's fault: an env error, under the run's env_errors
-        except Exception as exc:
+        except BaseException as exc:  # a tool's SystemExit too; the run's cancellation not
+            if is_run_cancellation(exc):
+                raise
             self.num_tool_errors += 1
-            content, should_stop = self.tool_error(exc), False
+            error = exc if isinstance(exc, Exception) else crashed(name, exc)
+            content, should_stop = self.tool_error(error), False
         self._messages.append(
             Message(role="tool", content=content, tool_call_id=call["id"], name=name)
         )

@@ -39,6 +39,7 @@ from post_training_cookbook.grpo.validation import (
     TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
+    a_temperature,
     admits_float,
     at_least,
     at_most,
@@ -49,6 +50,7 @@ from post_training_cookbook.grpo.validation import (
     field_rules,
     folder_name,
     gpus_on_ray,
+    groups_in_flight_bound,
     holds,
     is_async,
     is_int,
@@ -163,11 +165,11 @@ class GRPOConfig:
         256, at_least(1), at_most_field("max_model_length", FITS_CONTEXT)
     )
     """Tokens sampled per assistant turn. A turn cut there is parsed as it is."""
-    temperature: float = setting(1.0, non_negative)
-    """Sampling temperature of training rollouts (0 = greedy, which gives every group zero
-    reward variance)."""
-    top_p: float = setting(1.0, holds(lambda v: 0 < v <= 1, TOP_P))
-    """Nucleus sampling mass, in (0, 1]. 1 keeps the whole distribution."""
+    temperature: float = setting(1.0, a_temperature)
+    """Sampling temperature of training rollouts: 0 (greedy, which gives every group zero
+    reward variance) or at least 1e-3 (lower ones overflow the logits into NaN)."""
+    top_p: float = setting(1.0, holds(lambda v: 1e-6 <= v <= 1, TOP_P))
+    """Nucleus sampling mass, in [1e-6, 1]. 1 keeps the whole distribution."""
     overlong_buffer_length: int = setting(
         256, at_least(0), at_most_field("max_model_length", BUFFER_ADVICE, strictly=True)
     )
@@ -231,9 +233,14 @@ class GRPOConfig:
     """Turns on async training. A group older than this many optimizer steps since its
     rollout started is dropped as stale. None = lockstep. Start with 1."""
     groups_in_flight: int | None = setting(
-        None, at_least(1, or_none=True), only_when(is_async, IN_FLIGHT_NEEDS_ASYNC)
+        None,
+        at_least(1, or_none=True),
+        only_when(is_async, IN_FLIGHT_NEEDS_ASYNC),
+        groups_in_flight_bound,
     )
-    """Rollout groups collected at once in async training. None = ``batch_size``."""
+    """Rollout groups collected at once in async training. None = ``batch_size``. At most
+    ``4 * batch_size * (max_steps_off_policy + 1)`` (and 1024): more would be stale before a
+    step could train them."""
     weight_sync_type: WeightSyncType = setting(
         WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS,
         deferred_sync_needs_async,
@@ -301,6 +308,10 @@ class GRPOConfig:
     resume: bool = setting(False, resume_needs_run_name)
     """Continue ``runs_dir/run_name/`` from its newest checkpoint that reads back whole
     (``grpo/runs.py``: which one, what may change). Needs ``run_name``."""
+    resume_allow_missing_files: bool = False
+    """Resume a run that has checkpoints but lost its ``metrics.jsonl`` or ``config.yaml``
+    (its history then starts at the checkpoint). Off: such a resume is refused, saying
+    which file is gone (``grpo/run_checks.py``)."""
 
     # Validation
     validation_interval: int = setting(10, at_least(0))
@@ -309,8 +320,8 @@ class GRPOConfig:
     """Validate as a blocking phase at an exact policy version, not alongside training."""
     val_episodes_per_task: int = setting(1, at_least(1))
     """Episodes per validation task."""
-    val_temperature: float = setting(1.0, non_negative)
-    """Sampling temperature of validation episodes (0 = greedy)."""
+    val_temperature: float = setting(1.0, a_temperature)
+    """Sampling temperature of validation episodes (0 = greedy, else at least 1e-3)."""
 
     # Env policy
     env_step_timeout_s: float | None = setting(60.0, positive)
@@ -407,9 +418,13 @@ class GRPOConfig:
         ``ValueError`` names the file and the bad key."""
         source = Path(path)
         try:
-            data = yaml.load(source.read_text(), Loader=ConfigYamlLoader)
+            data = yaml.load(source.read_text(encoding="utf-8"), Loader=ConfigYamlLoader)
         except yaml.YAMLError as exc:
             raise ValueError(f"{source}: not valid YAML: {exc}") from exc
+        except UnicodeDecodeError:
+            raise ValueError(f"{source}: not text (not UTF-8): not a config file") from None
+        except OSError as exc:
+            raise ValueError(f"{source}: cannot be read ({exc.strerror})") from None
         try:
             return cls.from_dict({} if data is None else data)
         except ValueError as exc:

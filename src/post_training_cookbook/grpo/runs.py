@@ -10,7 +10,8 @@ runs/<run_name>/
     final_model/                      inference checkpoint: AutoModelForCausalLM.from_pretrained
 
 A checkpoint is written whole as ``checkpoints/step_000010.partial/`` (the trainer's files,
-then ``loop_state.json``, then ``complete.json`` listing every file and its size), fsynced,
+then ``loop_state.json``, then ``manifest.json`` with every file's sha256, then
+``complete.json`` listing every file and its size; ``grpo/run_checks.py``), fsynced,
 and renamed to ``step_000010``: a folder of that name is complete. ``final_model`` is written
 the same way. Resuming (``resume_from_checkpoint``) takes the newest checkpoint that reads
 back whole, and says which ones it skipped and why; checkpoints of earlier versions (no
@@ -43,6 +44,12 @@ from post_training_cookbook.files import (
     write_text_atomic,
 )
 from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.run_checks import (
+    check_manifest,
+    check_run_folder,
+    step_of_line,
+    write_manifest,
+)
 from post_training_cookbook.rollout import EpisodeRunner, Group, episode_record
 from post_training_cookbook.service.base import ModelService
 
@@ -109,6 +116,7 @@ class RunDirectory:
     def check_resumable(self, config: GRPOConfig) -> None:
         """Raise ``ValueError`` when ``config`` cannot continue this run: a field of
         ``RESUME_MUST_MATCH`` differs from config.yaml's, or config.yaml is unreadable."""
+        check_run_folder(self, config)
         saved = self.saved_config()
         if saved is None:
             return
@@ -166,10 +174,11 @@ class RunDirectory:
         line the kill cut short is dropped too. Atomic: a kill leaves the old file."""
         if not self.metrics_path.exists():
             return
+        text = self.metrics_path.read_bytes().decode("utf-8", errors="replace")  # a cut line
         kept = [
             line
-            for line in self.metrics_path.read_text().splitlines()
-            if (line_step := _step_of(line)) is not None and line_step < step
+            for line in text.splitlines()
+            if (line_step := step_of_line(line)) is not None and line_step < step
         ]
         write_text_atomic(self.metrics_path, "".join(line + "\n" for line in kept))
 
@@ -195,6 +204,7 @@ class RunDirectory:
         """Add the loop's state and ``complete.json`` to the trainer's files in ``partial``,
         and rename it to its step's folder (replacing one a resumed run saves again)."""
         (partial / LOOP_STATE).write_text(json.dumps(state.__dict__))
+        write_manifest(partial)
         sizes = {path.name: path.stat().st_size for path in sorted(partial.iterdir())}
         (partial / COMPLETE).write_text(json.dumps({"files": sizes}, indent=1))
         target = self.checkpoint_dir(state.step)
@@ -226,6 +236,7 @@ class RunDirectory:
                 if actual != size:
                     found = "missing" if actual is None else f"{actual} bytes"
                     raise BadFileError(path, f"{found}; {size} bytes when it was saved")
+            check_manifest(folder)  # written with complete.json: earlier ones have neither
         elif not (folder / LOOP_STATE).exists():
             raise BadFileError(folder / LOOP_STATE, "missing: an interrupted save")
         return _loop_state(folder / LOOP_STATE, folder)
@@ -310,14 +321,6 @@ def _changes(saved: GRPOConfig, config: GRPOConfig) -> list[str]:
         for name, (old, new) in pairs.items()
         if name != "resume" and not _same_value(name, old, new)
     ]
-
-
-def _step_of(line: str) -> int | None:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return int(record.get("step", 0)) if isinstance(record, dict) else None
 
 
 def _finite(record: dict[str, Any]) -> dict[str, Any]:

@@ -58,6 +58,37 @@ def positive(config: Any, name: str, value: Any) -> str | None:
     return None if value is None or value > 0 else f"{name} must be > 0, got {value}"
 
 
+def a_temperature(config: Any, name: str, value: Any) -> str | None:
+    from post_training_cookbook.engine.types import temperature_problem
+
+    problem = temperature_problem(value)
+    return None if problem is None else f"{name} {problem}"
+
+
+MAX_GROUPS_IN_FLIGHT = 1024
+"""Most rollout groups an async run keeps in flight, whatever else allows."""
+
+
+def groups_in_flight_bound(config: GRPOConfig, name: str, value: Any) -> str | None:
+    """Groups in flight beyond what the next steps can train are only stale work: a step
+    trains ``batch_size`` groups, and a group older than ``max_steps_off_policy`` steps is
+    dropped, so at most ``batch_size * (max_steps_off_policy + 1)`` groups can be used (four
+    times that leaves room for the groups dynamic sampling filters out)."""
+    if value is None or config.max_steps_off_policy is None:
+        return None
+    usable = 4 * config.batch_size * (config.max_steps_off_policy + 1)
+    bound = min(usable, MAX_GROUPS_IN_FLIGHT)
+    if value <= bound:
+        return None
+    return (
+        f"{name} must be <= {bound}, got {value}: a step trains batch_size "
+        f"({config.batch_size}) groups and drops groups older than max_steps_off_policy "
+        f"({config.max_steps_off_policy}) steps, so more in flight is stale work that slows "
+        f"every step (the bound is 4 * batch_size * (max_steps_off_policy + 1), at most "
+        f"{MAX_GROUPS_IN_FLIGHT})"
+    )
+
+
 def non_negative(config: Any, name: str, value: Any) -> str | None:
     return None if value >= 0 else f"{name} must be >= 0, got {value}"
 
@@ -103,7 +134,7 @@ WHY_GROUP = (
 WHY_OFF_POLICY = "None keeps lockstep; 0 admits only groups started under the current policy"
 IN_0_1 = "{name} must be in [0, 1), got {value}"
 IN_0_1_CLOSED = "{name} must be in (0, 1] or None, got {value}"
-TOP_P = "{name} must be in (0, 1], got {value}; 1 turns it off"
+TOP_P = "{name} must be in [1e-6, 1], got {value}; 1 turns it off"
 FITS_CONTEXT = ": lower max_tokens_per_turn or raise max_model_length"
 BUFFER_ADVICE = "; 0 turns the soft penalty off"
 IN_FLIGHT_NEEDS_ASYNC = (

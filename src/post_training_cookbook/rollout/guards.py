@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 from post_training_cookbook.envs.base import StepResult
 from post_training_cookbook.stretches import Stretches, as_coroutine
-from post_training_cookbook.types import Message
+from post_training_cookbook.types import Message, content_problem, content_text
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -73,9 +73,11 @@ async def call_env(
     if not done:
         await _cancel(call, stretches)
         raise EnvFault(f"env.{what} timed out after {timeout_s}s")
+    if call.cancelled():  # nobody cancelled it: the env raised CancelledError itself
+        raise EnvFault(f"env.{what} raised CancelledError without being cancelled")
     try:
         return call.result()
-    except Exception as exc:
+    except BaseException as exc:  # a BaseException subclass of the env's is an env error too
         raise EnvFault(f"env.{what} raised {exc!r}") from exc
 
 
@@ -98,16 +100,26 @@ async def _cancel(call: asyncio.Future[Any], stretches: Stretches) -> None:
 
 
 def checked_messages(value: Any, what: str) -> list[Message]:
-    """``value`` as a list of messages with known roles, or ``EnvFault``."""
+    """``value`` as a list of messages with known roles and content a codec can render, or
+    ``EnvFault``. Content in the OpenAI content-parts form comes back joined into its text
+    (the codec renders text, and the episode records what was rendered); content of any other
+    type (an int, a dict, bytes) would render as nothing, so it is refused."""
     if not isinstance(value, list):
         raise EnvFault(f"{what} is a {type(value).__name__}, not a list of messages")
+    checked = []
     for index, message in enumerate(value):
         if not isinstance(message, dict):
             raise EnvFault(f"{what}[{index}] is a {type(message).__name__}, not a message")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise EnvFault(f"{what}[{index}] has role {role!r}; roles are {', '.join(ROLES)}")
-    return value
+        content = message.get("content")
+        if (problem := content_problem(content)) is not None:
+            raise EnvFault(f"{what}[{index}] ({role}) has {problem}")
+        if isinstance(content, list):
+            message = Message(**{**message, "content": content_text(content) or ""})  # type: ignore[typeddict-item]
+        checked.append(message)
+    return checked
 
 
 def checked_step(result: Any) -> StepResult:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from post_training_cookbook.codecs.tool_calls import arguments_object
+from post_training_cookbook.engine.types import MIN_TOP_P, temperature_problem
 from post_training_cookbook.openai_api import message_to_api
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
@@ -81,6 +82,7 @@ def parse_chat_request(body: Any, *, max_n: int = 16) -> ChatRequest:
     """``body`` (decoded JSON) as a ``ChatRequest``, or ``ApiError(400)`` naming the field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_lone_surrogates(body, "")
     _refuse_unsupported(body)
     raw_messages = body.get("messages")
     if not isinstance(raw_messages, list) or not raw_messages:
@@ -99,8 +101,8 @@ def parse_chat_request(body: Any, *, max_n: int = 16) -> ChatRequest:
         model=_optional(body, "model", str) or "",
         n=_integer(_given(body, "n", 1), "n", low=1, high=max_n),
         max_tokens=None if max_tokens is None else _integer(max_tokens, max_tokens_name, low=1),
-        temperature=_number(body, "temperature", 1.0, low=0.0, high=2.0),
-        top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
+        temperature=_temperature(body),
+        top_p=_number(body, "top_p", 1.0, low=MIN_TOP_P, high=1.0),
         stop=_stop(body.get("stop")),
         seed=None if seed is None else _integer(seed, "seed", low=-(2**63), high=2**64 - 1),
         logprobs=bool(_optional(body, "logprobs", bool)),
@@ -140,6 +142,10 @@ def message_from_api(value: Any, where: str) -> Message:
     if not isinstance(value, dict):
         raise ApiError(400, f"{where} must be an object", param=where)
     role = value.get("role")
+    if not isinstance(role, str):
+        raise ApiError(
+            400, f"{where}.role must be a string, got {type(role).__name__}", param=where
+        )
     if role == "tool":
         call_id = value.get("tool_call_id")
         if not isinstance(call_id, str):
@@ -255,7 +261,11 @@ def _tool_call(value: Any, where: str) -> ToolCall:
 
 def _tool_spec(value: Any, where: str) -> ToolSpec:
     function = value.get("function") if isinstance(value, dict) else None
-    if value.get("type") != "function" or not isinstance(function, dict):
+    if (
+        not isinstance(value, dict)
+        or value.get("type") != "function"
+        or not isinstance(function, dict)
+    ):
         raise ApiError(400, f"{where} must be {{type: function, function: {{...}}}}", param=where)
     name = function.get("name")
     parameters = function.get("parameters", {"type": "object", "properties": {}})
@@ -282,6 +292,38 @@ def _stop(value: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOP_STRINGS:
         raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings", param="stop")
     return tuple(stops)
+
+
+def _temperature(body: dict[str, Any]) -> float:
+    value = _number(body, "temperature", 1.0, low=0.0, high=2.0)
+    if (problem := temperature_problem(value)) is not None:
+        raise ApiError(400, f"temperature {problem}", param="temperature")
+    return value
+
+
+MAX_NESTING = 64
+"""Deepest nesting of a request's JSON walked for strings: deeper is no chat request."""
+
+
+def _refuse_lone_surrogates(value: Any, where: str, depth: int = 0) -> None:
+    """``ApiError(400)`` naming the first string holding a lone UTF-16 surrogate (JSON allows
+    ``"\\ud800"``; no tokenizer can encode it) or a nesting deeper than ``MAX_NESTING``."""
+    if depth > MAX_NESTING:
+        raise ApiError(400, f"{where or 'the body'} is nested too deeply", param=where or None)
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(
+                400, f"{where or 'a string'} holds a lone UTF-16 surrogate", param=where or None
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_lone_surrogates(key, where or "a key", depth + 1)
+            _refuse_lone_surrogates(item, f"{where}.{key}" if where else str(key), depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _refuse_lone_surrogates(item, f"{where}[{index}]", depth + 1)
 
 
 def _optional(body: dict[str, Any], name: str, kind: type) -> Any:
