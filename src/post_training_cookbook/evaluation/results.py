@@ -35,6 +35,7 @@ from post_training_cookbook.rollout import (
 )
 
 if TYPE_CHECKING:
+    from post_training_cookbook.evaluation.benchmarks import BenchmarkScore
     from post_training_cookbook.grpo.config import GRPOConfig
 
 LENGTH_CAPPED_WARNING = 0.2
@@ -168,6 +169,8 @@ class EvalResult:
     """The episodes themselves (not in ``to_dict``)."""
     hosted: bool = False
     """Scored on a hosted endpoint: its token counts are its own tokenizer's, not ours."""
+    benchmark: BenchmarkScore | None = None
+    """A benchmark's own report (``evaluate(..., benchmark="bfcl")``): per category, overall."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, groups=[]))  # asdict would deep-copy every episode
@@ -280,6 +283,11 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
     rows += [row(f"pass@{k}", lambda r, k=k: r.pass_at_k.get(k)) for k in ks]
     for level in levels:
         rows.append(row(f"level {level}: reward", lambda r, lv=level: _level_reward(r, lv)))
+    categories = {c: None for r in results if r.benchmark for c in r.benchmark.accuracy}
+    for category in categories:
+        rows.append(row(f"bfcl {category}", lambda r, c=category: _accuracy(r, c)))
+    if categories:
+        rows.append(row("bfcl overall", lambda r: r.benchmark.overall if r.benchmark else None))
     rows += [row(f"ended: {cause}", lambda r, c=cause: r.termination.get(c)) for cause in CAUSES]
     rows.append(row("eval/length_capped", lambda r: r.length_capped))
     names = [
@@ -297,6 +305,10 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
 def _level_reward(result: EvalResult, level: str) -> float | None:
     found = result.per_level.get(level)
     return found.reward_mean if found else None
+
+
+def _accuracy(result: EvalResult, category: str) -> float | None:
+    return result.benchmark.accuracy.get(category) if result.benchmark else None
 
 
 def _delta(values: list[float | None]) -> float | None:
