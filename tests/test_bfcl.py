@@ -13,6 +13,7 @@ import pytest
 from test_serve_common import Scripted, ScriptedEndpoint, completion_json
 
 from post_training_cookbook.cli import main
+from post_training_cookbook.envs import Task
 from post_training_cookbook.envs.bfcl import (
     CATEGORIES,
     NO_ANSWER_CATEGORIES,
@@ -289,3 +290,55 @@ def test_eval_cli_scores_bfcl_and_rejects_what_does_not_fit(scripted, capsys):
     assert "limit applies to --benchmark" in capsys.readouterr().err
     assert main(["eval", "--benchmark", "bfcl:nope"]) == 2
     assert "unknown BFCL categories ['nope']" in capsys.readouterr().err
+
+
+def test_live_tasks_train_a_grpo_step_rewarded_by_the_checker(tmp_path, monkeypatch):
+    """GRPO on the live categories: a scripted policy answers each group once with the right
+    call and once in text, so each group's rewards are BFCL's verdicts on both replies."""
+    from test_grpo_common import quick_config, step_metrics, train_dump
+    from transformers import AutoTokenizer
+
+    from post_training_cookbook.engine.types import PolicySegment, SampledSequence
+    from post_training_cookbook.grpo.train import train_multi_turn
+    from post_training_cookbook.models.catalog import resolve_model
+    from post_training_cookbook.service.local import LocalModelService
+
+    tasks = bfcl_train_tasks(["live_simple", "live_irrelevance"], limit=1)
+    simple = BFCLItem.from_task(tasks[0])
+    (call,) = right_calls(simple)
+    arguments = json.loads(call["arguments"])
+    replies = [
+        f'<tool_call>\n{{"name": "{call["name"]}", "arguments": {json.dumps(arguments)}}}\n'
+        "</tool_call><|im_end|>",
+        "No function call is needed.<|im_end|>",
+    ]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(BUNDLED_MODEL_ID).source)
+
+    seen: dict[tuple[int, ...], int] = {}  # per prompt (one per task): call, text, call...
+
+    def next_reply(prompt_tokens: list[int]) -> list[int]:
+        count = seen[tuple(prompt_tokens)] = seen.get(tuple(prompt_tokens), -1) + 1
+        return tokenizer.encode(replies[count % 2], add_special_tokens=False)
+
+    async def sample(service, prompt_tokens, n, params):
+        version = service.policy_state().applied_weights_version
+        encoded = [next_reply(prompt_tokens) for _ in range(n)]
+        return [
+            SampledSequence(t, [-1.0] * len(t), "stop", [PolicySegment(0, version)])
+            for t in encoded
+        ]
+
+    monkeypatch.setattr(LocalModelService, "sample", sample)
+    config = quick_config(BUNDLED_MODEL_ID, tmp_path, batch_size=2, max_turns=1,
+                          max_model_length=2048)  # fmt: skip
+    run = train_multi_turn(config, tasks, lambda task: BFCLEnv())
+    (metrics,) = step_metrics(run.path).values()
+    assert metrics["train/samples"] == 4  # both groups had reward variance and trained
+    assert metrics["rollout/bfcl_live_simple/reward_mean"] == 0.5
+    assert metrics["rollout/bfcl_live_irrelevance/reward_mean"] == 0.5
+    for record in train_dump(run.path, 0):
+        item = BFCLItem.from_task(Task(**record["task"]))
+        reply = record["messages"][-1]
+        calls = [c["function"] for c in reply.get("tool_calls") or []]
+        assert record["reward"] == float(check_reply(item, calls).valid)
+        assert (record["reward"] == 1.0) is (bool(calls) == (item.category == "live_simple"))
