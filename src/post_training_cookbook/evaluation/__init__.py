@@ -8,9 +8,16 @@
 
 ``runner`` plays the episodes (as training validation does), ``results`` holds what comes
 back (``EvalResult``, pass@k, tables), ``models`` decides what to load, ``hosted`` scores an
-OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``).
+OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``), ``benchmarks``
+plays a published benchmark instead of your env (``evaluate(model, benchmark="bfcl")``,
+its report in ``result.benchmark``; docs/evaluation.md).
 """
 
+from post_training_cookbook.evaluation.benchmarks import (
+    BenchmarkScore,
+    BenchmarkSpec,
+    CategoryScore,
+)
 from post_training_cookbook.evaluation.hosted import HostedEndpointError, HostedModel
 from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
 from post_training_cookbook.evaluation.results import (
@@ -25,6 +32,9 @@ from post_training_cookbook.evaluation.results import (
 from post_training_cookbook.evaluation.runner import aevaluate, evaluate
 
 __all__ = [
+    "BenchmarkScore",
+    "BenchmarkSpec",
+    "CategoryScore",
     "EvalModel",
     "EvalResult",
     "EvalSettings",
