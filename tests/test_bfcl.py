@@ -334,8 +334,8 @@ def test_live_tasks_train_a_grpo_step_rewarded_by_the_checker(tmp_path, monkeypa
     run = train_multi_turn(config, tasks, lambda task: BFCLEnv())
     (metrics,) = step_metrics(run.path).values()
     assert metrics["train/samples"] == 4  # both groups had reward variance and trained
-    assert metrics["rollout/bfcl_live_simple/reward_mean"] == 0.5
-    assert metrics["rollout/bfcl_live_irrelevance/reward_mean"] == 0.5
+    assert metrics["rollout/env/bfcl_live_simple_valid"] == 0.5
+    assert metrics["rollout/env/bfcl_live_irrelevance_valid"] == 0.5
     for record in train_dump(run.path, 0):
         item = BFCLItem.from_task(Task(**record["task"]))
         reply = record["messages"][-1]

@@ -14,6 +14,7 @@ per call, or the reply's text when it calls nothing. From there the steps are BF
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -70,9 +71,9 @@ def check_reply(item: BFCLItem, calls: Sequence[FunctionCall]) -> BFCLVerdict:
         )
     assert item.possible_answer is not None  # load_items guarantees one outside NO_ANSWER
     result = modules.ast_checker.ast_checker(
-        list(item.functions),
+        copy.deepcopy(list(item.functions)),  # copies: the item outlives the check
         decoded,
-        list(item.possible_answer),
+        copy.deepcopy(list(item.possible_answer)),
         modules.enums.Language.PYTHON,
         item.category,
         CHECKER_MODEL_NAME,

@@ -77,7 +77,6 @@ class BFCLItem:
             prompt=last_user[-1] if last_user else "",
             target=answer,
             metadata={
-                "env": f"bfcl_{self.category}",
                 METADATA_KEY: {
                     "id": self.id,
                     "category": self.category,

@@ -39,7 +39,12 @@ class BFCLEnv(Env):
         calls = reply_calls(message)
         self.verdict = check_reply(self._item, calls)
         reward = 1.0 if self.verdict.valid else 0.0
-        metrics = {"bfcl_valid": reward, "bfcl_calls": float(len(calls))}
+        # per category too: a run's rollout/env/bfcl_<category>_valid (episodes that parsed)
+        metrics = {
+            "bfcl_valid": reward,
+            f"bfcl_{self._item.category}_valid": reward,
+            "bfcl_calls": float(len(calls)),
+        }
         return StepResult(True, False, list(self._messages), reward=reward, metrics=metrics)
 
     @property
