@@ -29,6 +29,7 @@ from post_training_cookbook.envs.bfcl import (
 )
 from post_training_cookbook.evaluation import HostedModel, evaluate
 from post_training_cookbook.models import BUNDLED_MODEL_ID
+from post_training_cookbook.rollout import TruncationCause
 
 # bfcl-eval's own registry entry for an OpenAI function-calling model: its checker path is
 # the one a leaderboard submission of such a model takes.
@@ -342,3 +343,29 @@ def test_live_tasks_train_a_grpo_step_rewarded_by_the_checker(tmp_path, monkeypa
         calls = [c["function"] for c in reply.get("tool_calls") or []]
         assert record["reward"] == float(check_reply(item, calls).valid)
         assert (record["reward"] == 1.0) is (bool(calls) == (item.category == "live_simple"))
+
+
+@pytest.mark.heavy
+def test_our_server_as_an_endpoint_scores_on_bfcl_what_the_local_model_scores():
+    from post_training_cookbook.serve import start_server
+
+    options = {"benchmark": "bfcl", "limit": 2, "max_tokens_per_turn": 96, "runs_dir": None}
+    local = evaluate(BUNDLED_MODEL_ID, **options)
+    with start_server(BUNDLED_MODEL_ID) as server:
+        hosted = evaluate(
+            HostedModel("tool-use-tiny", server.base_url, api_key_env=None), **options
+        )
+    assert local.benchmark is not None and hosted.benchmark is not None
+    assert hosted.benchmark.per_category == local.benchmark.per_category
+    # rewards too, but where the codec could not parse the local reply: the server answers
+    # that text as a plain reply, which BFCL (and so the benchmark report) reads as no call
+    parse_failures = 0
+    for local_group, hosted_group in zip(local.groups, hosted.groups, strict=True):
+        (local_episode,), (hosted_episode,) = local_group.episodes, hosted_group.episodes
+        if local_episode.truncation is TruncationCause.PARSE_FAILURE:
+            parse_failures += 1
+            item = BFCLItem.from_task(local_group.task)
+            assert hosted_episode.reward == float(check_reply(item, []).valid)
+        else:
+            assert hosted_episode.reward == local_episode.reward
+    assert 0 < parse_failures < len(local.groups)  # both kinds were compared
