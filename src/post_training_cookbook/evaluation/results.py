@@ -325,6 +325,9 @@ def _cell(value: float | None, *, delta: bool) -> str:
 def _settings_line(results: Sequence[EvalResult]) -> str:
     first = results[0]
     tasks = f"{first.num_tasks} task(s)"
+    if first.benchmark is not None:
+        limit = first.benchmark.limit
+        tasks += f" of {first.benchmark.benchmark}" + (f" (first {limit} each)" if limit else "")
     return f"{first.label}: {tasks}, {first.settings.describe()}"
 
 
