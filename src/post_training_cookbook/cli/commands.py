@@ -20,6 +20,8 @@ from post_training_cookbook.cli.loading import (
 )
 
 if TYPE_CHECKING:
+    from post_training_cookbook.cli.loading import EnvFactory
+    from post_training_cookbook.envs.base import Task
     from post_training_cookbook.evaluation import EvalResult, EvalSettings, HostedModel
     from post_training_cookbook.grpo.config import GRPOConfig
     from post_training_cookbook.models.catalog import ModelInfo
@@ -60,14 +62,13 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.step is not None and args.compare:
         raise CliError("--step applies to one MODEL; with --compare, name checkpoint folders")
     settings = _eval_settings(args, config)
-    factory, tasks = eval_env(args.env, args.tasks, env)
-    tasks = tasks[: args.num_tasks] if args.num_tasks else tasks
+    factory, tasks = _eval_inputs(args, env)
     codec = args.codec or (config.codec if config else None)
     results: list[EvalResult] = []
     for model in models:
         local = isinstance(model, str)
         coroutine = aevaluate(
-            model, tasks, factory, settings,
+            model, tasks, factory, settings, benchmark=args.benchmark, limit=args.limit,
             codec=codec if local else None, step=args.step if local else None,
             dtype=args.dtype if local else None, pass_k=args.pass_k, label=args.label,
             runs_dir=None if args.no_save else args.runs_dir, progress=sys.stderr.isatty(),
@@ -153,10 +154,30 @@ def run_view(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_inputs(
+    args: argparse.Namespace, env: dict[str, Any]
+) -> tuple[EnvFactory | None, list[Task] | None]:
+    """The env and tasks ``eval`` plays; ``None`` for both when a benchmark brings its own."""
+    if args.benchmark is None:
+        if args.limit is not None:
+            raise CliError("--limit applies to --benchmark (items per category); see --num-tasks")
+        factory, tasks = eval_env(args.env, args.tasks, env)
+        return factory, tasks[: args.num_tasks] if args.num_tasks else tasks
+    clashing = [flag for flag, value in _ENV_FLAGS.items() if getattr(args, value) is not None]
+    if clashing:
+        raise CliError(f"--benchmark brings its own tasks and env: drop {', '.join(clashing)}")
+    return None, None
+
+
+_ENV_FLAGS = {"--env": "env", "--tasks": "tasks", "--num-tasks": "num_tasks"}
+
+
 def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalSettings:
     from post_training_cookbook.evaluation import EvalSettings
 
     base = EvalSettings.from_config(config) if config else EvalSettings()
+    if args.benchmark is not None:
+        base = replace(base, temperature=0.0)  # benchmarks are scored greedy by default
     flags = {
         "episodes_per_task": args.episodes_per_task,
         "temperature": args.temperature,

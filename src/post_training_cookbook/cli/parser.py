@@ -123,7 +123,10 @@ def _add_eval(subparsers: Any) -> None:
         "  %(prog)s --config run.yaml --compare post-training-cookbook/tool-use-tiny runs/x\n"
         "  %(prog)s runs/x --step 10 --num-tasks 8\n"
         "  %(prog)s --compare hosted:gpt-4.1-mini post-training-cookbook/tool-use-tiny \\\n"
-        "      --base-url https://api.openai.com/v1 --api-key-env OPENAI_API_KEY",
+        "      --base-url https://api.openai.com/v1 --api-key-env OPENAI_API_KEY\n"
+        "  %(prog)s runs/x --benchmark bfcl --limit 20\n"
+        "  %(prog)s hosted:my-model --base-url http://127.0.0.1:8000/v1 --no-api-key \\\n"
+        "      --benchmark bfcl:simple_python,irrelevance",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -142,6 +145,16 @@ def _add_eval(subparsers: Any) -> None:
     parser.add_argument("--env", metavar="IMPORT", help=f"env factory (default: {DEFAULT_ENV})")
     parser.add_argument("--tasks", metavar="IMPORT|JSONL", help=f"tasks (default: {DEFAULT_TASKS})")
     parser.add_argument("--num-tasks", type=_positive, metavar="N", help="only the first N tasks")
+    parser.add_argument(
+        "--benchmark",
+        metavar="NAME[:CATEGORIES]",
+        help="a published benchmark instead of an env: bfcl (its five single-turn test "
+        "categories) or bfcl:simple_python,multiple,... (docs/evaluation.md); greedy unless "
+        "--temperature",
+    )
+    parser.add_argument(
+        "--limit", type=_positive, metavar="N", help="with --benchmark: first N items per category"
+    )
     settings = parser.add_argument_group(
         "settings", "default: --config's validation settings, else GRPOConfig's defaults"
     )

@@ -8,12 +8,19 @@
 
 ``runner`` plays the episodes (as training validation does), ``results`` holds what comes
 back (``EvalResult``, pass@k, tables), ``models`` decides what to load, ``hosted`` scores an
-OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``), ``local_judge``
-runs a judge model for judge rewards (``LocalJudge``, imported on first use).
+OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``), ``benchmarks``
+plays a published benchmark instead of your env (``evaluate(model, benchmark="bfcl")``,
+its report in ``result.benchmark``; docs/evaluation.md), ``local_judge`` runs a judge model
+for judge rewards (``LocalJudge``, imported on first use).
 """
 
 from typing import Any
 
+from post_training_cookbook.evaluation.benchmarks import (
+    BenchmarkScore,
+    BenchmarkSpec,
+    CategoryScore,
+)
 from post_training_cookbook.evaluation.hosted import HostedEndpointError, HostedModel
 from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
 from post_training_cookbook.evaluation.results import (
@@ -28,6 +35,9 @@ from post_training_cookbook.evaluation.results import (
 from post_training_cookbook.evaluation.runner import aevaluate, evaluate
 
 __all__ = [
+    "BenchmarkScore",
+    "BenchmarkSpec",
+    "CategoryScore",
     "EvalModel",
     "EvalResult",
     "EvalSettings",

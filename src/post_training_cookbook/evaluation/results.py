@@ -33,6 +33,7 @@ from post_training_cookbook.rollout import (
 )
 
 if TYPE_CHECKING:
+    from post_training_cookbook.evaluation.benchmarks import BenchmarkScore
     from post_training_cookbook.grpo.config import GRPOConfig
 
 LENGTH_CAPPED_WARNING = 0.2
@@ -165,6 +166,8 @@ class EvalResult:
     """The episodes themselves (not in ``to_dict``)."""
     hosted: bool = False
     """Scored on a hosted endpoint: its token counts are its own tokenizer's, not ours."""
+    benchmark: BenchmarkScore | None = None
+    """A benchmark's own report (``evaluate(..., benchmark="bfcl")``): per category, overall."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, groups=[]))  # asdict would deep-copy every episode
@@ -278,6 +281,11 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
     rows += [row(f"pass@{k}", lambda r, k=k: r.pass_at_k.get(k)) for k in ks]
     for level in levels:
         rows.append(row(f"level {level}: reward", lambda r, lv=level: _level_reward(r, lv)))
+    categories = {c: None for r in results if r.benchmark for c in r.benchmark.accuracy}
+    for category in categories:
+        rows.append(row(f"bfcl {category}", lambda r, c=category: _accuracy(r, c)))
+    if categories:
+        rows.append(row("bfcl overall", lambda r: r.benchmark.overall if r.benchmark else None))
     rows += [row(f"ended: {cause}", lambda r, c=cause: r.termination.get(c)) for cause in CAUSES]
     rows.append(row("eval/length_capped", lambda r: r.length_capped))
     names = [
@@ -297,6 +305,10 @@ def _level_reward(result: EvalResult, level: str) -> float | None:
     return found.reward_mean if found else None
 
 
+def _accuracy(result: EvalResult, category: str) -> float | None:
+    return result.benchmark.accuracy.get(category) if result.benchmark else None
+
+
 def _delta(values: list[float | None]) -> float | None:
     first, second = values
     return None if first is None or second is None else second - first
@@ -311,6 +323,9 @@ def _cell(value: float | None, *, delta: bool) -> str:
 def _settings_line(results: Sequence[EvalResult]) -> str:
     first = results[0]
     tasks = f"{first.num_tasks} task(s)"
+    if first.benchmark is not None:
+        limit = first.benchmark.limit
+        tasks += f" of {first.benchmark.benchmark}" + (f" (first {limit} each)" if limit else "")
     return f"{first.label}: {tasks}, {first.settings.describe()}"
 
 

@@ -32,6 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from post_training_cookbook.envs.base import EnvFactory, Task
+from post_training_cookbook.evaluation.benchmarks import (
+    BenchmarkSpec,
+    benchmark_inputs,
+    score_benchmark,
+)
 from post_training_cookbook.evaluation.hosted import HostedModel, play_hosted
 from post_training_cookbook.evaluation.models import (
     EvalModel,
@@ -62,14 +67,16 @@ ModelToScore = str | os.PathLike[str] | HostedModel
 
 def evaluate(
     model_or_checkpoint: ModelToScore,
-    tasks: Sequence[Task],
-    env_factory: EnvFactory,
+    tasks: Sequence[Task] | None = None,
+    env_factory: EnvFactory | None = None,
     episodes_per_task: int = 1,
     *,
+    benchmark: str | None = None,
+    limit: int | None = None,
     max_turns: int = 6,
     max_model_length: int = 2048,
     max_tokens_per_turn: int = 256,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     top_p: float = 1.0,
     success_threshold: float = 1.0,
     failed_parse_reward: float = 0.0,
@@ -89,6 +96,10 @@ def evaluate(
     ``model_or_checkpoint``: a catalog id, a local Hugging Face folder, a run directory (its
     ``final_model``, or its checkpoint ``step``), a checkpoint folder, or a ``HostedModel``
     (an OpenAI-compatible endpoint; ``codec``, ``step``, ``dtype`` and ``device`` do not apply).
+    ``benchmark``: a published benchmark in place of ``tasks`` and ``env_factory``:
+    ``"bfcl"`` (BFCL's five single-turn test categories) or ``"bfcl:simple_python,multiple"``;
+    the result's ``benchmark`` holds its report; ``limit``: only the first N items of each
+    category. ``temperature`` defaults to 1.0, and to 0 (greedy) for a benchmark.
     The limits default to ``GRPOConfig``'s. ``pass_k`` defaults to 1, 2, 4, ... up to
     ``episodes_per_task``. ``dtype`` defaults to the run's, else the model's. ``device``: where
     the engine samples, as ``GRPOConfig.device`` (``"auto"``: CUDA when present).
@@ -106,12 +117,13 @@ def evaluate(
     settings = EvalSettings(
         episodes_per_task=episodes_per_task,
         limits=limits,
-        temperature=temperature,
+        temperature=(0.0 if benchmark else 1.0) if temperature is None else temperature,
         top_p=top_p,
         success_threshold=success_threshold,
     )
     coroutine = aevaluate(
         model_or_checkpoint, tasks, env_factory, settings,
+        benchmark=benchmark, limit=limit,
         codec=codec, step=step, dtype=dtype, pass_k=pass_k, label=label, runs_dir=runs_dir,
         max_batch_size=max_batch_size, progress=progress, device=device,
     )  # fmt: skip
@@ -120,10 +132,12 @@ def evaluate(
 
 async def aevaluate(
     model_or_checkpoint: ModelToScore,
-    tasks: Sequence[Task],
-    env_factory: EnvFactory,
-    settings: EvalSettings,
+    tasks: Sequence[Task] | None = None,
+    env_factory: EnvFactory | None = None,
+    settings: EvalSettings | None = None,
     *,
+    benchmark: str | None = None,
+    limit: int | None = None,
     codec: str | None = None,
     step: int | None = None,
     dtype: str | None = None,
@@ -136,6 +150,9 @@ async def aevaluate(
 ) -> EvalResult:
     """``evaluate`` for async callers, with the settings as one ``EvalSettings``."""
     started = time.perf_counter()
+    settings = settings or EvalSettings(temperature=0.0 if benchmark else 1.0)
+    spec = BenchmarkSpec.parse(benchmark) if benchmark is not None else None
+    tasks, env_factory = _inputs(tasks, env_factory, spec, limit)
     if isinstance(model_or_checkpoint, HostedModel):
         hosted = model_or_checkpoint
         if codec is not None or step is not None or dtype is not None:
@@ -177,6 +194,7 @@ async def aevaluate(
         elapsed_s=time.perf_counter() - started,
         groups=groups,
         hosted=isinstance(model_or_checkpoint, HostedModel),
+        benchmark=None if spec is None else score_benchmark(spec, groups, limit),
     )
     if runs_dir is not None:
         result.output_dir = write_eval(result, Path(runs_dir))
@@ -192,6 +210,24 @@ def write_eval(result: EvalResult, runs_dir: Path) -> Path:
     result.output_dir = folder
     (folder / "summary.json").write_text(json.dumps(result.to_dict(), indent=1, default=str))
     return folder
+
+
+def _inputs(
+    tasks: Sequence[Task] | None,
+    env_factory: EnvFactory | None,
+    spec: BenchmarkSpec | None,
+    limit: int | None,
+) -> tuple[Sequence[Task], EnvFactory]:
+    """The tasks and env to play: the caller's, or the benchmark's."""
+    if spec is None:
+        if limit is not None:
+            raise ValueError("limit applies to a benchmark (items per category); slice tasks")
+        if tasks is None or env_factory is None:
+            raise ValueError("pass tasks and env_factory, or benchmark= (e.g. 'bfcl')")
+        return tasks, env_factory
+    if tasks is not None or env_factory is not None:
+        raise ValueError(f"benchmark={str(spec)!r} brings its tasks and env: pass neither")
+    return benchmark_inputs(spec, limit)
 
 
 def _checked(

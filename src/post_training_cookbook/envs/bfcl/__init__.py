@@ -1,0 +1,50 @@
+"""The Berkeley Function Calling Leaderboard (BFCL v4) on ``bfcl-eval``'s data and checker.
+
+    from post_training_cookbook.envs.bfcl import BFCLEnv, bfcl_tasks, bfcl_train_tasks
+
+    test = bfcl_tasks()          # simple_python, multiple, parallel, parallel_multiple, irrelevance
+    train = bfcl_train_tasks()   # the live_* categories, less any question the test set has
+
+``evaluate(model, benchmark="bfcl")`` scores the test categories as BFCL reports them
+(per-category accuracy; docs/evaluation.md). Needs the ``bfcl`` extra and ``bfcl-eval``
+installed without its dependencies (``requirements/bfcl.txt``); importing this package
+does not import ``bfcl-eval``, the first item loaded or checked does.
+"""
+
+from post_training_cookbook.envs.bfcl.checker import BFCLVerdict, check_reply, reply_calls
+from post_training_cookbook.envs.bfcl.data import (
+    CATEGORIES,
+    NO_ANSWER_CATEGORIES,
+    TEST_CATEGORIES,
+    TRAIN_CATEGORIES,
+    BFCLItem,
+    bfcl_tasks,
+    bfcl_train_tasks,
+    load_items,
+    question_texts,
+)
+from post_training_cookbook.envs.bfcl.env import BFCLEnv
+from post_training_cookbook.envs.bfcl.package import (
+    BFCL_EVAL_VERSION,
+    CHECKER_MODEL_NAME,
+    BFCLNotInstalledError,
+)
+
+__all__ = [
+    "BFCL_EVAL_VERSION",
+    "CATEGORIES",
+    "CHECKER_MODEL_NAME",
+    "NO_ANSWER_CATEGORIES",
+    "TEST_CATEGORIES",
+    "TRAIN_CATEGORIES",
+    "BFCLEnv",
+    "BFCLItem",
+    "BFCLNotInstalledError",
+    "BFCLVerdict",
+    "bfcl_tasks",
+    "bfcl_train_tasks",
+    "check_reply",
+    "load_items",
+    "question_texts",
+    "reply_calls",
+]
