@@ -9,7 +9,9 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -399,3 +401,40 @@ def test_bad_sandbox_settings_are_refused_with_the_reason(tmp_path: Path) -> Non
         outside.write_text("#!/bin/sh\n")
         outside.chmod(0o755)
         SandboxConfig(python=str(outside))
+
+
+@needs_bwrap
+def test_read_only_paths_are_readable_not_writable_and_environment_is_passed() -> None:
+    data = Path(tempfile.mkdtemp(prefix="ptc-sandbox-data-"))
+    try:
+        (data / "facts.txt").write_text("kalo.weight=3\n")
+        data.chmod(0o755)  # the sandbox's user (nobody, under root) reads it
+        config = dataclasses.replace(
+            LIMITS, read_only_paths=(str(data),), environment={"FACTS": str(data / "facts.txt")}
+        )
+        pool = SandboxPool(config)
+        code = """
+import os
+print(open(os.environ["FACTS"]).read().strip())
+try:
+    open(os.environ["FACTS"], "a").write("more")
+    print("wrote")
+except OSError:
+    print("read-only")
+"""
+        try:
+            assert python(pool.session(), code).split() == ["kalo.weight=3", "read-only"]
+        finally:
+            pool.close()
+        assert (data / "facts.txt").read_text() == "kalo.weight=3\n"
+    finally:
+        shutil.rmtree(data)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox drops to nobody only under root")
+def test_a_read_only_path_nobody_can_reach_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    hidden = tmp_path / "private"
+    hidden.mkdir()
+    tmp_path.chmod(0o700)
+    with pytest.raises(ValueError, match=r"not readable by the sandbox's user .*chmod o\+rx"):
+        SandboxPool(dataclasses.replace(LIMITS, read_only_paths=(str(hidden),)))

@@ -140,12 +140,14 @@ def bwrap_argv(bwrap: str, config: SandboxConfig, scratch: Path, program: list[s
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    for path in (*_ETC_FILES, *config.read_only_paths):
+    for path in _ETC_FILES:
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", str(config.tmp_bytes), "--tmpfs", "/tmp"]
     argv += ["--bind", str(scratch), SANDBOX_HOME, "--chdir", SANDBOX_HOME]
+    for path in config.read_only_paths:  # after /tmp's mount, which would hide one under it
+        argv += ["--ro-bind", path, path]
     # the sandbox's own root and /dev (memory file systems bwrap builds) read-only too, so
     # that the scratch folder and /tmp are the only places a program writes to
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
