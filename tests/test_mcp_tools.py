@@ -145,6 +145,13 @@ def test_the_tool_specs_are_the_servers_own_listing(server: MCPServerSpec) -> No
         MCPToolbox(server, tool_names=["nope"])
 
 
+def test_an_http_server_is_reached_with_the_headers_given(http_server: HttpServer) -> None:
+    spec = MCPHttpServer(http_server.spec.url, headers={"Authorization": "Bearer test"})
+    with MCPToolbox(spec, tool_names=["add"]) as toolbox:
+        (add,) = toolbox.tools()
+        assert run(add.execute('{"a": 3, "b": 4}')).structured_content["total"] == 7
+
+
 def test_a_call_gives_the_text_and_the_structured_content(server: MCPServerSpec) -> None:
     with MCPToolbox(server) as toolbox:
         tools = {tool.name: tool for tool in toolbox.tools()}
