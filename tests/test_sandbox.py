@@ -26,6 +26,7 @@ from post_training_cookbook.envs.sandbox import (
     SandboxUnavailableError,
     code_tools,
 )
+from post_training_cookbook.envs.sandbox.seccomp import socket_filter
 from post_training_cookbook.types import Message
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,33 @@ for address in [("127.0.0.1", {port}), ("10.0.0.1", 80), ("1.1.1.1", 53)]:
     listener.close()
     assert output.count("blocked") == 3 and "connected" not in output, output
     assert accepted == []
+
+
+@needs_bwrap
+@pytest.mark.skipif(socket_filter() is None, reason="no seccomp filter for this machine")
+def test_code_cannot_even_open_a_network_socket_but_unix_sockets_work(pool: SandboxPool) -> None:
+    code = """
+import socket
+for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):
+    try:
+        socket.socket(family, socket.SOCK_RAW if family != socket.AF_INET else socket.SOCK_STREAM)
+        print("opened", family.name)
+    except PermissionError:
+        print("refused", family.name)
+left, right = socket.socketpair(socket.AF_UNIX)
+left.send(b"unix ok")
+print(right.recv(16).decode())
+"""
+    output = python(pool.session(), code)
+    assert output.split("\n")[:5] == [
+        "refused AF_INET",
+        "refused AF_INET6",
+        "refused AF_PACKET",
+        "refused AF_NETLINK",
+        "unix ok",
+    ], output
+    bash = run(pool.session().run_bash("echo hi > /dev/tcp/127.0.0.1/80 || echo refused"))
+    assert "socket: Permission denied" in bash and bash.strip().endswith("refused")
 
 
 @needs_bwrap
