@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from post_training_cookbook.envs.arithmetic import safe_eval
 from post_training_cookbook.envs.tool_use_game.env import default_world
 
-server = MCPServer("cookbook-test-server")
+server = MCPServer("cookbook-test-server", log_level="WARNING")
 WORLD = default_world()
 
 
@@ -89,4 +89,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "stdio":
         server.run("stdio")
     else:
-        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]), log_level="WARNING")
+        server.run("streamable-http", host="127.0.0.1", port=int(sys.argv[2]))

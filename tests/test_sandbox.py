@@ -26,6 +26,7 @@ from post_training_cookbook.envs.sandbox import (
     SandboxUnavailableError,
     code_tools,
 )
+from post_training_cookbook.envs.sandbox.seccomp import socket_filter
 from post_training_cookbook.types import Message
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,33 @@ for address in [("127.0.0.1", {port}), ("10.0.0.1", 80), ("1.1.1.1", 53)]:
     listener.close()
     assert output.count("blocked") == 3 and "connected" not in output, output
     assert accepted == []
+
+
+@needs_bwrap
+@pytest.mark.skipif(socket_filter() is None, reason="no seccomp filter for this machine")
+def test_code_cannot_even_open_a_network_socket_but_unix_sockets_work(pool: SandboxPool) -> None:
+    code = """
+import socket
+for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):
+    try:
+        socket.socket(family, socket.SOCK_RAW if family != socket.AF_INET else socket.SOCK_STREAM)
+        print("opened", family.name)
+    except PermissionError:
+        print("refused", family.name)
+left, right = socket.socketpair(socket.AF_UNIX)
+left.send(b"unix ok")
+print(right.recv(16).decode())
+"""
+    output = python(pool.session(), code)
+    assert output.split("\n")[:5] == [
+        "refused AF_INET",
+        "refused AF_INET6",
+        "refused AF_PACKET",
+        "refused AF_NETLINK",
+        "unix ok",
+    ], output
+    bash = run(pool.session().run_bash("echo hi > /dev/tcp/127.0.0.1/80 || echo refused"))
+    assert "socket: Permission denied" in bash and bash.strip().endswith("refused")
 
 
 @needs_bwrap
@@ -356,46 +384,3 @@ def test_tool_env_runs_code_tools_and_closing_it_removes_the_scratch(pool: Sandb
     assert scratch is not None and scratch.is_dir()
     run(env.close())
     assert not scratch.exists()
-
-
-# ---------------------------------------------------------------- where no sandbox can run
-
-
-def test_no_bwrap_refuses_to_start_and_names_the_opt_in() -> None:
-    with pytest.raises(SandboxUnavailableError, match="unsafe_subprocess") as error:
-        SandboxPool(SandboxConfig(bwrap_path="/nonexistent/bwrap"))
-    assert "can read every file its user can read" in str(error.value)
-    with pytest.raises(SandboxUnavailableError, match="cannot start a sandbox here"):
-        SandboxPool(SandboxConfig(bwrap_path="/bin/false"))
-
-
-def test_the_plain_subprocess_runs_only_by_name_with_limits_and_a_clean_environment(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setenv("PTC_TEST_SECRET", "visible-to-a-sandbox?")
-    with caplog.at_level("WARNING"):
-        unsafe = SandboxPool(dataclasses.replace(SHORT, isolation="unsafe_subprocess"))
-    assert "can read every file its user can read" in caplog.text
-    try:
-        session = unsafe.session()
-        assert "PTC_TEST_SECRET" not in python(session, "import os; print(dict(os.environ))")
-        assert "MemoryError" in python_error(session, "x = bytearray(1 << 30)")
-        assert "timed out" in python_error(session, "import time; time.sleep(60)")
-    finally:
-        unsafe.close()
-
-
-def test_bad_sandbox_settings_are_refused_with_the_reason(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="isolation must be one of"):
-        SandboxConfig(isolation="none")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="timeout_s must be > 0"):
-        SandboxConfig(timeout_s=0)
-    with pytest.raises(ValueError, match="memory_bytes must be at least 64 MiB"):
-        SandboxConfig(memory_bytes=1 << 20)
-    with pytest.raises(ValueError, match="would expose the host"):
-        SandboxConfig(read_only_paths=("/root",))
-    with pytest.raises(ValueError, match="outside the sandbox's view"):
-        outside = tmp_path / "python3"
-        outside.write_text("#!/bin/sh\n")
-        outside.chmod(0o755)
-        SandboxConfig(python=str(outside))

@@ -3,7 +3,8 @@
 On top of the contract, the pieces an env is written with: ``function_tool`` (a typed,
 documented function as a tool), ``ToolEnv`` (the tool-use episode loop, with its parts to
 override), reward functions and ``Rubric`` (``rewards``), judge-model rewards (``judge``) and
-weighted mixtures of envs (``mixture``).
+weighted mixtures of envs (``mixture``), tools from MCP servers (``mcp_tools``) and the code
+sandbox (``sandbox``).
 """
 
 from post_training_cookbook.deprecation import moved_name
@@ -19,6 +20,8 @@ from post_training_cookbook.envs.base import (
 )
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
 from post_training_cookbook.envs.judge import JudgeError, JudgeReward, OpenAIJudge
+from post_training_cookbook.envs.mcp_connection import MCPHttpServer, MCPStdioServer
+from post_training_cookbook.envs.mcp_tools import MCPTool, MCPToolbox, MCPToolCallError
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
 from post_training_cookbook.envs.rewards import (
     RewardFn,
@@ -38,6 +41,11 @@ __all__ = [
     "FunctionTool",
     "JudgeError",
     "JudgeReward",
+    "MCPHttpServer",
+    "MCPStdioServer",
+    "MCPTool",
+    "MCPToolCallError",
+    "MCPToolbox",
     "MixtureEntry",
     "OpenAIJudge",
     "RewardFn",

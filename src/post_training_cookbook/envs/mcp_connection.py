@@ -82,6 +82,7 @@ class MCPConnection:
         self.ended: str | None = None
         """Why the connection ended, once it has (None while it is usable)."""
         self._client: Any = None
+        self._serve_task: asyncio.Task[None] | None = None
         self._started: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
         self._closing = asyncio.Event()
         self._loop = asyncio.new_event_loop()
@@ -100,6 +101,7 @@ class MCPConnection:
         """Hold the session open until ``close``; the one task that enters and leaves it."""
         from mcp import Client
 
+        self._serve_task = asyncio.current_task()
         try:
             async with Client(self._target(), read_timeout_seconds=self.call_timeout_s) as client:
                 tools = await _all_tools(client)
@@ -221,16 +223,16 @@ class MCPConnection:
         that never answers the handshake); otherwise let ``_serve`` leave it, which ends a
         stdio server's process, and cancel it if that takes past ``CLOSE_TIMEOUT_S``."""
         self._closing.set()
-        serving = asyncio.wrap_future(self._serving)
+        task = self._serve_task
+        if task is None:  # closed before it began: it will see `_closing` set
+            return
         if not self._started.done():
-            serving.cancel()
-        try:
-            await asyncio.wait_for(asyncio.shield(serving), CLOSE_TIMEOUT_S)
-        except TimeoutError:
-            log.warning("%s did not close within %g s; abandoned", self.label, CLOSE_TIMEOUT_S)
-            serving.cancel()
-        except BaseException:  # cancelled above, or ended in an error recorded in `ended`
-            pass
+            task.cancel()
+        _, pending = await asyncio.wait({task}, timeout=CLOSE_TIMEOUT_S)
+        if pending:
+            log.warning("%s did not close within %g s; cancelled", self.label, CLOSE_TIMEOUT_S)
+            task.cancel()
+            await asyncio.wait({task}, timeout=CLOSE_TIMEOUT_S)
 
 
 async def _all_tools(client: Any) -> list[Any]:

@@ -25,6 +25,7 @@ episode ``Tool`` objects that call them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Sequence
@@ -139,7 +140,8 @@ class _SharedServer:
         self.toolbox = toolbox
 
     async def connection(self) -> MCPConnection:
-        return self.toolbox.shared_connection()
+        # in a thread: replacing a dead server closes it, which waits for its thread
+        return await asyncio.to_thread(self.toolbox.shared_connection)
 
 
 class _EpisodeServer:

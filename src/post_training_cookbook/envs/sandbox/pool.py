@@ -26,6 +26,7 @@ from post_training_cookbook.envs.sandbox.config import (
 )
 from post_training_cookbook.envs.sandbox.runner import (
     RunOutcome,
+    drops_to_nobody,
     find_bwrap,
     make_scratch,
     probe_bwrap,
@@ -70,6 +71,13 @@ class SandboxPool:
         if self.config.isolation == "unsafe_subprocess":
             log.warning(UNSAFE_SUBPROCESS_RISK)
             return None
+        for path in self.config.read_only_paths:
+            if drops_to_nobody() and not _others_can_read(path):
+                raise ValueError(
+                    f"read_only_paths: {path!r} is not readable by the sandbox's user (nobody, "
+                    "uid 65534, as this process is root): make it, and every folder above it, "
+                    "readable and searchable by others (chmod o+rx)"
+                )
         bwrap = find_bwrap(self.config.bwrap_path)
         remedy = (
             "install bubblewrap (pip install 'post-training-cookbook[sandbox]', or the "
@@ -152,6 +160,18 @@ class SandboxSession:
         if self._scratch is not None:
             remove_scratch(self._scratch)
             self._scratch = None
+
+
+def _others_can_read(path: str) -> bool:
+    """Whether a user other than the owner can reach ``path`` (every folder above it
+    searchable by others) and read it (a folder: and list it)."""
+    target = Path(path).resolve()
+    for folder in target.parents:
+        if not folder.stat().st_mode & 0o001:
+            return False
+    mode = target.stat().st_mode
+    wanted = 0o005 if target.is_dir() else 0o004
+    return mode & wanted == wanted
 
 
 def _checked(code: str) -> str:

@@ -40,6 +40,7 @@ from post_training_cookbook.envs.sandbox.config import (
     SandboxConfig,
     SandboxUnavailableError,
 )
+from post_training_cookbook.envs.sandbox.seccomp import filter_fd
 
 log = logging.getLogger(__name__)
 NOBODY = 65534
@@ -118,8 +119,15 @@ def drops_to_nobody() -> bool:
     return os.geteuid() == 0
 
 
-def bwrap_argv(bwrap: str, config: SandboxConfig, scratch: Path, program: list[str]) -> list[str]:
-    """The ``bwrap`` command line that runs ``program`` (an argv inside the sandbox)."""
+def bwrap_argv(
+    bwrap: str,
+    config: SandboxConfig,
+    scratch: Path,
+    program: list[str],
+    seccomp_fd: int | None = None,
+) -> list[str]:
+    """The ``bwrap`` command line that runs ``program`` (an argv inside the sandbox), with
+    the socket filter read from ``seccomp_fd`` when there is one."""
     argv = [
         bwrap,
         "--unshare-all",
@@ -140,17 +148,21 @@ def bwrap_argv(bwrap: str, config: SandboxConfig, scratch: Path, program: list[s
             argv += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
-    for path in (*_ETC_FILES, *config.read_only_paths):
+    for path in _ETC_FILES:
         if os.path.exists(path):
             argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--size", str(config.tmp_bytes), "--tmpfs", "/tmp"]
     argv += ["--bind", str(scratch), SANDBOX_HOME, "--chdir", SANDBOX_HOME]
+    for path in config.read_only_paths:  # after /tmp's mount, which would hide one under it
+        argv += ["--ro-bind", path, path]
     # the sandbox's own root and /dev (memory file systems bwrap builds) read-only too, so
     # that the scratch folder and /tmp are the only places a program writes to
     argv += ["--remount-ro", "/dev", "--remount-ro", "/"]
     for name, value in sandbox_environment(config).items():
         argv += ["--setenv", name, value]
+    if seccomp_fd is not None:
+        argv += ["--seccomp", str(seccomp_fd)]
     return [*argv, "--", *launcher_argv(config, program, as_init=True)]
 
 
@@ -214,25 +226,31 @@ async def run_isolated(
     """Run ``program`` in the sandbox (``bwrap`` None: the plain subprocess the user asked
     for by name) until it exits, its wall-clock time is up, or its output passes the cap;
     its whole process tree is gone when this returns."""
+    seccomp_fd = filter_fd() if bwrap is not None else None
     if bwrap is not None:
-        argv, cwd = bwrap_argv(bwrap, config, scratch, program), "/"
+        argv, cwd = bwrap_argv(bwrap, config, scratch, program, seccomp_fd), "/"
         environment = {"PATH": "/usr/bin:/bin"}
     else:
         argv, cwd = launcher_argv(config, program, as_init=False), str(scratch)
         environment = {**sandbox_environment(config), "HOME": str(scratch)}
     nobody = NOBODY if drops_to_nobody() else None
-    process = await asyncio.create_subprocess_exec(
-        *argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=cwd,
-        env=environment,
-        start_new_session=True,  # its own process group, killed whole below
-        user=nobody,
-        group=nobody,
-        extra_groups=[] if nobody is not None else None,
-    )
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            env=environment,
+            start_new_session=True,  # its own process group, killed whole below
+            user=nobody,
+            group=nobody,
+            extra_groups=[] if nobody is not None else None,
+            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
+        )
+    finally:
+        if seccomp_fd is not None:
+            os.close(seccomp_fd)
     assert process.stdout is not None
     chunks: list[bytes] = []
     received = 0
@@ -338,9 +356,10 @@ def probe_bwrap(bwrap: str, config: SandboxConfig, scratch: Path) -> None:
     forbids them, a missing binary)."""
     nobody = NOBODY if drops_to_nobody() else None
     program = [config.launcher_python, "-I", "-S", "-c", "print('ok')"]
+    seccomp_fd = filter_fd()
     try:
         done = subprocess.run(
-            bwrap_argv(bwrap, config, scratch, program),
+            bwrap_argv(bwrap, config, scratch, program, seccomp_fd),
             capture_output=True,
             text=True,
             timeout=30,
@@ -349,9 +368,13 @@ def probe_bwrap(bwrap: str, config: SandboxConfig, scratch: Path) -> None:
             user=nobody,
             group=nobody,
             extra_groups=[] if nobody is not None else None,
+            pass_fds=() if seccomp_fd is None else (seccomp_fd,),
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SandboxUnavailableError(f"{bwrap} cannot run: {exc}") from exc
+    finally:
+        if seccomp_fd is not None:
+            os.close(seccomp_fd)
     if done.returncode != 0 or done.stdout.strip() != "ok":
         said = (done.stderr or done.stdout).strip()[-500:] or f"exit status {done.returncode}"
         raise SandboxUnavailableError(f"{bwrap} cannot start a sandbox here: {said}")
