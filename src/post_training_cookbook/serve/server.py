@@ -22,6 +22,7 @@ import uvicorn
 
 from post_training_cookbook.serve.app import Routes, ServerLimits, build_app
 from post_training_cookbook.serve.policy import Endpoint, ServedModel
+from post_training_cookbook.serve.timeouts import header_timed_protocol
 
 START_TIMEOUT_S = 30.0
 
@@ -83,7 +84,7 @@ class PolicyServer:
             build_app(self.routes),
             log_level="warning",
             access_log=False,
-            limit_concurrency=self.limits.max_concurrent_requests * 2 + 16,
+            http=header_timed_protocol(self.limits.header_timeout_s),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -161,7 +162,7 @@ async def serve_forever(
         host=host,
         port=port,
         log_level="info",
-        limit_concurrency=limits.max_concurrent_requests * 2 + 16,
+        http=header_timed_protocol(limits.header_timeout_s),
     )
     await uvicorn.Server(config).serve(sockets=None if sock is None else [sock])
 
