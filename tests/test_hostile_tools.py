@@ -385,3 +385,51 @@ def test_tiny_temperatures_are_refused_by_sampling_params() -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=1e-300)
     assert SamplingParams(temperature=1e-3).temperature == 1e-3
+
+
+@function_tool
+def poke() -> str:
+    """Wait for the test module to end (a tool that never returns in a run)."""
+    RELEASE.wait()
+    return "ok"
+
+
+class StuckPokeEnv(ToolEnv):
+    """The scripted policy's ``loop`` mode calls ``poke``, which never returns; ``answer``
+    mode answers at once."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__([poke], reward_fn=lambda answer, task: float(answer["content"] == "1"))
+        self.mode = mode
+
+    def opening_messages(self, task: Task) -> list[Message]:
+        return [Message(role="user", content=f"{task.prompt} mode={self.mode}")]
+
+
+@pytest.mark.heavy  # a short run of the tiny model: about 15 s, more on a busy machine
+def test_a_run_whose_sync_tool_never_returns_ends_and_returns(tiny_llama_dir, tmp_path) -> None:
+    from test_grpo_common import ScriptedPolicy, mode_tasks, quick_config
+    from transformers import AutoTokenizer
+
+    from post_training_cookbook.grpo.train import train_multi_turn
+
+    tasks = mode_tasks(["loop", "answer", "loop", "answer"])
+    built: list[str] = []
+
+    def factory(task: Task) -> ToolEnv:
+        modes = task.metadata["modes"]
+        built.append(modes[len(built) % len(modes)])
+        return StuckPokeEnv(built[-1])
+
+    config = quick_config(
+        tiny_llama_dir, tmp_path, episodes_per_task=4, env_errors="truncate",
+        env_step_timeout_s=0.5, max_sampling_attempts=1,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        ScriptedPolicy(AutoTokenizer.from_pretrained(tiny_llama_dir)).install(monkeypatch)
+        folder = in_bounded_thread(
+            lambda: asyncio.to_thread(train_multi_turn, config, tasks, factory), timeout_s=120
+        ).path
+    assert (folder / "final_model").is_dir()
+    dumped = (folder / "rollouts" / "train_step_000000.jsonl").read_text()
+    assert dumped.count("timed out after 0.5s") == 2

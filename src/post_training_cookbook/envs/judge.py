@@ -277,10 +277,7 @@ async def bounded_body(chunks: Any, max_bytes: int) -> bytes:
     async for chunk in chunks:
         body += chunk
         if len(body) > max_bytes:
-            raise ResponseTooLarge(
-                f"the response passed max_response_bytes={max_bytes:,}; a judge's answer is "
-                "a few hundred tokens"
-            )
+            raise ResponseTooLarge(f"the response passed max_response_bytes={max_bytes:,}")
     return bytes(body)
 
 

@@ -31,6 +31,7 @@ from post_training_cookbook.codecs.tool_calls import arguments_object
 from post_training_cookbook.endpoints import RETRIED_STATUSES, is_retried
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.envs.judge import ResponseTooLarge, bounded_body
 from post_training_cookbook.rollout.chat import ChatRunner, ChatTurn, FinishReason, play_chat_group
 from post_training_cookbook.rollout.types import Group
 from post_training_cookbook.serve.wire import message_to_api
@@ -62,8 +63,13 @@ class HostedModel:
     max_retries: int = 4
     backoff_s: float = 1.0
     """The first retry's wait; each further retry doubles it (with jitter), up to 60 s."""
+    max_response_bytes: int = 16_000_000
+    """A response body longer than this is not read on: a ``HostedEndpointError`` (not
+    retried), so a runaway endpoint cannot fill memory."""
 
     def __post_init__(self) -> None:
+        if not self.max_response_bytes >= 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {self.max_response_bytes}")
         if not self.model:
             raise ValueError("HostedModel needs a model name")
         if not re.match(r"https?://", self.base_url):
@@ -137,8 +143,12 @@ class OpenAIChatSampler:
         hosted = self._hosted
         for attempt in range(hosted.max_retries + 1):
             try:
-                response = await self._client.chat.completions.create(**request)
-                return _turn(response)
+                streamed = self._client.chat.completions.with_streaming_response.create(**request)
+                async with streamed as raw:
+                    body = await bounded_body(raw.iter_bytes(), hosted.max_response_bytes)
+                return _turn(openai.types.chat.ChatCompletion.model_validate_json(body))
+            except ResponseTooLarge as error:
+                raise HostedEndpointError(f"{hosted.base_url}: {error}") from error
             except openai.APIStatusError as error:
                 if _is_context_error(error):
                     return ChatTurn(None, "context_overflow")
