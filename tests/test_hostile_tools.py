@@ -433,3 +433,10 @@ def test_a_run_whose_sync_tool_never_returns_ends_and_returns(tiny_llama_dir, tm
     assert (folder / "final_model").is_dir()
     dumped = (folder / "rollouts" / "train_step_000000.jsonl").read_text()
     assert dumped.count("timed out after 0.5s") == 2
+
+
+def test_tiny_temperatures_are_refused_by_evaluation_settings() -> None:
+    from post_training_cookbook.evaluation.results import EvalSettings
+
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        EvalSettings(temperature=1e-40)

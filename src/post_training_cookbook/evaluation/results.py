@@ -66,8 +66,10 @@ class EvalSettings:
         for name in ("episodes_per_task", "max_turns", "max_model_length", "max_tokens_per_turn"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        from post_training_cookbook.engine.types import temperature_problem
+
+        if (problem := temperature_problem(self.temperature)) is not None:
+            raise ValueError(f"temperature {problem}")
         if self.env_errors not in ENV_ERROR_POLICIES:
             raise ValueError(
                 f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"
