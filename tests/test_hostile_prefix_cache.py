@@ -66,3 +66,19 @@ def test_an_engine_keeps_at_most_its_prefix_cache_bytes(tiny_llama_dir) -> None:
     cache = engine._decoder.prefix_cache
     assert 0 < cache.nbytes <= bound and len(cache) <= 5
     asyncio.run(engine.close())
+
+
+def test_a_served_model_takes_its_prefix_cache_bound() -> None:
+    from post_training_cookbook.models import BUNDLED_MODEL_ID
+    from post_training_cookbook.serve import load_served_model
+
+    _, engine = load_served_model(BUNDLED_MODEL_ID, max_model_length=256, prefix_cache_bytes=4096)
+    try:
+        assert engine._decoder.prefix_cache.max_bytes == 4096
+    finally:
+        engine.shutdown()
+    _, engine = load_served_model(BUNDLED_MODEL_ID, max_model_length=256)
+    try:
+        assert engine._decoder.prefix_cache.max_bytes == default_max_bytes(torch.device("cpu"))
+    finally:
+        engine.shutdown()

@@ -99,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
     served, engine = load_served_model(
         args.model, step=args.step, codec=args.codec, dtype=args.dtype,
         max_model_length=args.max_model_length, default_max_tokens=args.max_tokens,
-        name=args.name,
+        name=args.name, prefix_cache_bytes=args.prefix_cache_bytes,
     )  # fmt: skip
     shown = args.host if ":" not in args.host else f"[{args.host}]"
     print(f"serving {served.name} at http://{shown}:{args.port}/v1 (Ctrl-C stops)", flush=True)

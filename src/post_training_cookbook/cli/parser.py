@@ -231,6 +231,11 @@ def _add_serve(subparsers: Any) -> None:
         "--max-request-bytes", type=_positive, default=4 * 2**20, metavar="N",
         help="larger bodies get 413 (4 MiB)",
     )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-bytes", type=_positive, metavar="N",
+        help="bytes of KV the engine keeps for prompts that extend earlier ones "
+        "(default: 1/10 of a GPU's memory, 1/16 of the machine's up to 2 GiB on CPU)",
+    )  # fmt: skip
     parser.set_defaults(run=commands.run_serve)
 
 
