@@ -378,7 +378,6 @@ class StuckPokeEnv(ToolEnv):
         return [Message(role="user", content=f"{task.prompt} mode={self.mode}")]
 
 
-@pytest.mark.heavy  # a short run of the tiny model: about 15 s, more on a busy machine
 def test_a_run_whose_sync_tool_never_returns_ends_and_returns(tiny_llama_dir, tmp_path) -> None:
     from test_grpo_common import ScriptedPolicy, mode_tasks, quick_config
     from transformers import AutoTokenizer
