@@ -121,3 +121,22 @@ def test_an_async_agent_with_one_client_built_at_import_trains_in_three_runs(tmp
         with AgentEnvs(one_client_agent) as env_factory:
             folder = train_multi_turn(config, TOOL_USE_GAME_TRAIN_TASKS[:2], env_factory).path
         assert (folder / "final_model").is_dir()
+
+
+def test_a_judge_built_once_scores_in_three_sync_calls_without_a_retry(monkeypatch) -> None:
+    from test_serve_common import completion_json
+
+    from post_training_cookbook.envs import JudgeReward, OpenAIJudge, Task
+    from post_training_cookbook.types import Message
+
+    served = ScriptedEndpoint([Scripted(body=completion_json("Fine.\nScore: 7"))])
+    monkeypatch.setenv("COOKBOOK_TEST_LOOP_KEY", "sk-loopback-only")
+    try:
+        judge = OpenAIJudge("j", base_url=served.base_url, api_key_env="COOKBOOK_TEST_LOOP_KEY")
+        reward = JudgeReward(judge, rubric="Is it right?", max_attempts=1, backoff_s=0.0)
+        for number in range(3):
+            answer = Message(role="assistant", content=f"answer {number}")
+            assert run_sync(reward(answer, Task(prompt="q"))) == 0.7
+        assert reward.stats.retries == 0 and len(served.requests) == 3
+    finally:
+        served.stop()

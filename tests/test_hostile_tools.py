@@ -19,7 +19,6 @@ from post_training_cookbook.envs import Env, StepResult, Task, ToolEnv, ToolResu
 from post_training_cookbook.envs import tools as tools_module
 from post_training_cookbook.envs.tool_calls import abandoned_threads
 from post_training_cookbook.envs.tool_use_game.teacher import tool_call
-from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.rollout import EpisodeRunner, TruncationCause, run_episode
 from post_training_cookbook.rollout.guards import EnvFault, call_env
 from post_training_cookbook.types import Message
@@ -360,28 +359,48 @@ def assert_gone(pid: int) -> None:
         os.kill(pid, 0)
 
 
-def test_groups_in_flight_beyond_what_steps_can_train_is_refused_saying_why() -> None:
-    with pytest.raises(ValueError, match=r"groups_in_flight must be <= 32.*stale"):
-        GRPOConfig(batch_size=4, max_steps_off_policy=1, groups_in_flight=1_000_000)
-    with pytest.raises(ValueError, match=r"groups_in_flight must be <= 1024"):
-        GRPOConfig(batch_size=64, max_steps_off_policy=100, groups_in_flight=10_000)
-    assert GRPOConfig(batch_size=4, max_steps_off_policy=1, groups_in_flight=32)
+@function_tool
+def poke() -> str:
+    """Wait for the test module to end (a tool that never returns in a run)."""
+    RELEASE.wait()
+    return "ok"
 
 
-@pytest.mark.parametrize("field", ["temperature", "val_temperature"])
-@pytest.mark.parametrize("value", [1e-40, 1e-4, float("inf")])
-def test_tiny_temperatures_are_refused_by_the_config(field: str, value: float) -> None:
-    with pytest.raises(ValueError, match=field):
-        GRPOConfig(**{field: value})
-    assert getattr(GRPOConfig(**{field: 0.0}), field) == 0.0
+class StuckPokeEnv(ToolEnv):
+    """The scripted policy's ``loop`` mode calls ``poke``, which never returns; ``answer``
+    mode answers at once."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__([poke], reward_fn=lambda answer, task: float(answer["content"] == "1"))
+        self.mode = mode
+
+    def opening_messages(self, task: Task) -> list[Message]:
+        return [Message(role="user", content=f"{task.prompt} mode={self.mode}")]
 
 
-def test_tiny_temperatures_are_refused_by_sampling_params() -> None:
-    from post_training_cookbook.engine.types import SamplingParams
+def test_a_run_whose_sync_tool_never_returns_ends_and_returns(tiny_llama_dir, tmp_path) -> None:
+    from test_grpo_common import ScriptedPolicy, mode_tasks, quick_config
+    from transformers import AutoTokenizer
 
-    for value in (1e-40, 5e-4):
-        with pytest.raises(ValueError, match="temperature must be 0"):
-            SamplingParams(temperature=value)
-    with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=1e-300)
-    assert SamplingParams(temperature=1e-3).temperature == 1e-3
+    from post_training_cookbook.grpo.train import train_multi_turn
+
+    tasks = mode_tasks(["loop", "answer", "loop", "answer"])
+    built: list[str] = []
+
+    def factory(task: Task) -> ToolEnv:
+        modes = task.metadata["modes"]
+        built.append(modes[len(built) % len(modes)])
+        return StuckPokeEnv(built[-1])
+
+    config = quick_config(
+        tiny_llama_dir, tmp_path, episodes_per_task=4, env_errors="truncate",
+        env_step_timeout_s=0.5, max_sampling_attempts=1,
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        ScriptedPolicy(AutoTokenizer.from_pretrained(tiny_llama_dir)).install(monkeypatch)
+        folder = in_bounded_thread(
+            lambda: asyncio.to_thread(train_multi_turn, config, tasks, factory), timeout_s=120
+        ).path
+    assert (folder / "final_model").is_dir()
+    dumped = (folder / "rollouts" / "train_step_000000.jsonl").read_text()
+    assert dumped.count("timed out after 0.5s") == 2

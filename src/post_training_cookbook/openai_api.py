@@ -1,6 +1,7 @@
 """The OpenAI chat-completions API as the cookbook's clients and server share it: our
 ``Message`` written as the API writes one, the API key read from the environment, the async
-client, and the one rule for which failures are worth another try.
+client, a response body read within a size bound, and the one rule for which failures are
+worth another try.
 
 Its users: the policy server (``serve/``, the server side), hosted evaluation
 (``evaluation/hosted.py``) and judge rewards (``envs/judge.py``), the two client sides. It
@@ -27,6 +28,21 @@ def is_retried(error: Any) -> bool:
     if error.status_code == 429 and getattr(error, "code", None) == "insufficient_quota":
         return False
     return bool(error.status_code in RETRIED_STATUSES or error.status_code >= 500)
+
+
+class ResponseTooLarge(Exception):
+    """An endpoint's response was longer than its caller's ``max_response_bytes``."""
+
+
+async def bounded_body(chunks: Any, max_bytes: int) -> bytes:
+    """The bytes of ``chunks`` (an async iterator), or ``ResponseTooLarge`` as soon as they
+    pass ``max_bytes``: nothing past the bound is held."""
+    body = bytearray()
+    async for chunk in chunks:
+        body += chunk
+        if len(body) > max_bytes:
+            raise ResponseTooLarge(f"the response passed max_response_bytes={max_bytes:,}")
+    return bytes(body)
 
 
 def message_to_api(message: Message) -> dict[str, Any]:

@@ -47,10 +47,17 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[Metrics]:
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl: not a run directory")
     by_step: dict[int, Metrics] = {}
-    for line in path.read_text().splitlines():
+    from post_training_cookbook.grpo.run_checks import metric_steps
+
+    metric_steps(path)  # a garbled line is an error naming it (a last line cut short is not)
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    for line in text.splitlines():
         if line.strip():
-            record = json.loads(line)
-            step = int(record.get("step", 0))
+            try:
+                record = json.loads(line)
+            except ValueError:  # the last line, cut short by a kill
+                continue
+            step = record["step"]
             values = {k: float(v) for k, v in record.items() if isinstance(v, int | float)}
             by_step.setdefault(step, {}).update(values)
     return [by_step[step] for step in sorted(by_step)]

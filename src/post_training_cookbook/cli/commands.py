@@ -92,6 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
     transformers_logging.disable_progress_bar()
     token = _env_value(args.token_env, "--token-env") if args.token_env else None
     check_bind(args.host, token)  # before the weights load
+    listening = _listen(args.host, args.port)  # a port in use fails before the weights load
     limits = ServerLimits(
         max_request_bytes=args.max_request_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
@@ -99,18 +100,32 @@ def run_serve(args: argparse.Namespace) -> int:
     served, engine = load_served_model(
         args.model, step=args.step, codec=args.codec, dtype=args.dtype,
         max_model_length=args.max_model_length, default_max_tokens=args.max_tokens,
-        name=args.name,
+        name=args.name, prefix_cache_bytes=args.prefix_cache_bytes,
     )  # fmt: skip
     shown = args.host if ":" not in args.host else f"[{args.host}]"
     print(f"serving {served.name} at http://{shown}:{args.port}/v1 (Ctrl-C stops)", flush=True)
     try:
-        serving = serve_forever(served, host=args.host, port=args.port, token=token, limits=limits)
+        serving = serve_forever(
+            served, host=args.host, port=args.port, token=token, limits=limits, sock=listening
+        )
         asyncio.run(serving)
     except KeyboardInterrupt:  # Ctrl-C is how a server stops: uvicorn re-raises it once done
         print("stopped", flush=True)
     finally:
         engine.shutdown()
     return 0
+
+
+def _listen(host: str, port: int) -> Any:
+    from post_training_cookbook.serve.server import bound_socket
+
+    try:
+        return bound_socket(host, port)
+    except OSError as exc:
+        raise CliError(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port "
+            "(or stop what uses it)"
+        ) from None
 
 
 def run_models(args: argparse.Namespace) -> int:

@@ -47,7 +47,11 @@ def load_train_config(path: Path, overrides: Sequence[str] = ()) -> tuple[GRPOCo
         key, sep, value = override.partition("=")
         if not sep or not key:
             raise CliError(f"--set expects FIELD=VALUE, got {override!r}")
-        data[key.strip()] = yaml.load(value, Loader=ConfigYamlLoader)
+        try:
+            data[key.strip()] = yaml.load(value, Loader=ConfigYamlLoader)
+        except yaml.YAMLError as exc:
+            reason = " ".join(str(exc).split())
+            raise CliError(f"{key.strip()}: its --set value is not valid YAML ({reason})") from None
     try:
         return GRPOConfig.from_dict(data), env
     except ValueError as exc:
@@ -145,6 +149,13 @@ def import_object(spec: str) -> Any:
         found: Any = importlib.import_module(module_name)
     except ImportError as exc:
         raise CliError(f"cannot import {module_name!r} (from {spec!r}): {exc}") from exc
+    except SyntaxError as exc:
+        where = f"{exc.filename}, line {exc.lineno}" if exc.filename else module_name
+        raise CliError(
+            f"cannot import {module_name!r}: a SyntaxError at {where}: {exc.msg}"
+        ) from None
+    except Exception as exc:  # the module's own code failed while importing
+        raise CliError(f"importing {module_name!r} (from {spec!r}) raised {exc!r}") from exc
     for part in attribute.split("."):
         if not hasattr(found, part):
             raise CliError(f"{spec!r}: {module_name} has no attribute {attribute!r}")

@@ -24,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
+        commands_named = ", ".join(sorted(_command_names(parser)))
+        print(f"{PROG}: error: name a command ({commands_named}); see --help", file=sys.stderr)
         return 2
     try:
         return int(args.run(args))
@@ -220,7 +222,7 @@ def _add_serve(subparsers: Any) -> None:
     parser.add_argument("model", metavar="MODEL", help="what to serve")
     parser.add_argument("--step", type=int, metavar="N", help="a run's checkpoint at step N")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (8000)")
+    parser.add_argument("--port", type=_port, default=8000, help="port (8000)")
     parser.add_argument(
         "--token-env", metavar="VAR", help="environment variable holding the bearer token"
     )
@@ -241,6 +243,11 @@ def _add_serve(subparsers: Any) -> None:
     parser.add_argument(
         "--max-request-bytes", type=_positive, default=4 * 2**20, metavar="N",
         help="larger bodies get 413 (4 MiB)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-cache-bytes", type=_positive, metavar="N",
+        help="bytes of KV the engine keeps for prompts that extend earlier ones "
+        "(default: 1/10 of a GPU's memory, 1/16 of the machine's up to 2 GiB on CPU)",
     )  # fmt: skip
     parser.set_defaults(run=commands.run_serve)
 
@@ -290,6 +297,23 @@ def _add_view(subparsers: Any) -> None:
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     parser.add_argument("--full-prompt", action="store_true", help="show the prompt's tokens")
     parser.set_defaults(run=commands.run_view)
+
+
+def _command_names(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:

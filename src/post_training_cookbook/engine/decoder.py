@@ -135,7 +135,12 @@ class Decoder:
     """Runs the batch: ``prefill`` new requests, ``decode_step`` every live row, swap weights."""
 
     def __init__(
-        self, model: Any, prefix_cache_size: int, version: int = 0, native_kernels: bool = True
+        self,
+        model: Any,
+        prefix_cache_size: int,
+        version: int = 0,
+        native_kernels: bool = True,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         self.model = model
         config = model.config
@@ -147,7 +152,7 @@ class Decoder:
         self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
         # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py).
         self.fused = FusedDecodeStep.for_model(model, native_kernels)
-        self.prefix_cache = PrefixCache(prefix_cache_size)
+        self.prefix_cache = PrefixCache(prefix_cache_size, prefix_cache_bytes)
         self.rng = torch.Generator()
         self.rng.seed()  # unseeded requests draw from here
         self.version = version

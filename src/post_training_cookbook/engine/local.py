@@ -72,6 +72,7 @@ from post_training_cookbook.engine.decoder import (
     Request,
     inference_copy,
 )
+from post_training_cookbook.engine.prefix_cache import default_max_bytes
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
 from post_training_cookbook.engine.types import (
     SampledSequence,
@@ -90,7 +91,9 @@ class LocalEngine:
     """Asyncio-facing batched sampler over a private inference copy of ``model``.
 
     ``dtype`` (e.g. ``torch.bfloat16``) casts the copy, rotary frequencies excepted;
-    ``prefix_cache_size`` bounds the prefix cache in entries (0 turns it off); ``version`` is
+    ``prefix_cache_size`` bounds the prefix cache in entries (0 turns it off) and
+    ``prefix_cache_bytes`` in bytes of KV (None: a share of the device's memory,
+    ``engine/prefix_cache.py``'s ``default_max_bytes``); ``version`` is
     the policy version of ``model``'s weights (not 0 when a run resumes); ``num_threads`` sets
     the worker's intra-op threads (None: torch's count; see Threads above); ``native_kernels``
     lets decode steps on CPU use the native attention kernel (``engine/native``: built on first
@@ -107,6 +110,7 @@ class LocalEngine:
         dtype: torch.dtype | None = None,
         device: str | torch.device = "cpu",
         prefix_cache_size: int = 256,
+        prefix_cache_bytes: int | None = None,
         version: int = 0,
         num_threads: int | None = None,
         native_kernels: bool = True,
@@ -118,8 +122,17 @@ class LocalEngine:
             raise ValueError(f"prefix_cache_size must be >= 0, got {prefix_cache_size}")
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 or None, got {num_threads}")
+        if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0 or None, got {prefix_cache_bytes}")
         engine_model = inference_copy(model, dtype, torch.device(device), copy=copy_model)
-        self._decoder = Decoder(engine_model, prefix_cache_size, version, native_kernels)
+        cache_bytes = (
+            default_max_bytes(torch.device(device))
+            if prefix_cache_bytes is None
+            else prefix_cache_bytes
+        )
+        self._decoder = Decoder(
+            engine_model, prefix_cache_size, version, native_kernels, cache_bytes
+        )
         self._vocab_size: int = engine_model.get_input_embeddings().num_embeddings
         self._tensors = dict(engine_model.state_dict())  # names, shapes, dtypes, tied storage
         self._dtype: torch.dtype = engine_model.get_input_embeddings().weight.dtype

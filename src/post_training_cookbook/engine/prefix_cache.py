@@ -6,12 +6,16 @@ prefilled. Entries are tagged with the weights version whose forward produced th
 are only ever matched against that version (the engine also clears the cache on every
 weights update), so KV of an old policy is never reused.
 
-Bounded by entry count, least recently used first out. Memory is that of the stored KV:
-layers x 2 x kv_heads x head_dim x tokens x bytes per entry.
+Bounded by entry count and by bytes, least recently used first out. An entry holds its KV:
+layers x 2 x kv_heads x head_dim x tokens x bytes per element, 12 MB for a 2,000-token prompt
+of the bundled model, about 90 MB for SmolLM2-135M: a count alone would let 256 long
+prompts take gigabytes, so ``max_bytes`` bounds the sum (``default_max_bytes``: a share of
+the device's memory). An entry larger than ``max_bytes`` alone is not kept.
 """
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,11 +32,37 @@ class PrefixEntry:
     values: list[torch.Tensor]
     version: int
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+
+
+CPU_SHARE = 16
+"""On CPU, the cache may hold 1/16 of the machine's memory (at most ``CPU_CAP_BYTES``)."""
+CPU_CAP_BYTES = 2 * 2**30
+GPU_SHARE = 10
+"""On a GPU, 1/10 of the device's memory: the rest is weights, the batch's KV, activations."""
+
+
+def default_max_bytes(device: torch.device) -> int:
+    """A cache size that fits ``device``: a share of its memory."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(device).total_memory // GPU_SHARE)
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 8 * 2**30
+    return int(min(physical // CPU_SHARE, CPU_CAP_BYTES))
+
 
 class PrefixCache:
-    def __init__(self, max_entries: int) -> None:
+    def __init__(self, max_entries: int, max_bytes: int | None = None) -> None:
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        """None: no bound in bytes (the engine always passes one)."""
+        self.nbytes = 0
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
+        self._sizes: dict[int, int] = {}
         self._next_id = 0
 
     def __len__(self) -> int:
@@ -40,6 +70,8 @@ class PrefixCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sizes.clear()
+        self.nbytes = 0
 
     def lookup(self, prompt: np.ndarray, version: int) -> tuple[PrefixEntry, int] | None:
         """The entry sharing the longest prefix with ``prompt``, and that prefix's length."""
@@ -59,6 +91,9 @@ class PrefixCache:
         """Add ``entry``, dropping entries it extends (it answers every lookup they would)."""
         if self.max_entries <= 0 or len(entry.tokens) == 0:
             return
+        size = entry.nbytes
+        if self.max_bytes is not None and size > self.max_bytes:
+            return
         for entry_id, old in list(self._entries.items()):
             if old.version != entry.version:
                 continue
@@ -67,11 +102,19 @@ class PrefixCache:
                 self._entries.move_to_end(entry_id)
                 return
             if shared == len(old.tokens):
-                del self._entries[entry_id]
+                self._drop(entry_id)
         self._entries[self._next_id] = entry
+        self._sizes[self._next_id] = size
+        self.nbytes += size
         self._next_id += 1
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        while len(self._entries) > self.max_entries or (
+            self.max_bytes is not None and self.nbytes > self.max_bytes
+        ):
+            self._drop(next(iter(self._entries)))
+
+    def _drop(self, entry_id: int) -> None:
+        del self._entries[entry_id]
+        self.nbytes -= self._sizes.pop(entry_id)
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

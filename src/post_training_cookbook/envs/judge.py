@@ -47,10 +47,16 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.openai_api import api_key_from_env, async_client, is_retried
+from post_training_cookbook.openai_api import (
+    ResponseTooLarge,
+    api_key_from_env,
+    async_client,
+    bounded_body,
+    is_retried,
+)
 from post_training_cookbook.types import Message
 
 JUDGE_INSTRUCTIONS = (
@@ -263,24 +269,6 @@ class JudgeReward:
         return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
 
 
-class ResponseTooLarge(JudgeRefused):
-    """An endpoint's response was longer than the judge's ``max_response_bytes``."""
-
-
-async def bounded_body(chunks: Any, max_bytes: int) -> bytes:
-    """The bytes of ``chunks`` (an async iterator), or ``ResponseTooLarge`` as soon as they
-    pass ``max_bytes``: nothing past the bound is held."""
-    body = bytearray()
-    async for chunk in chunks:
-        body += chunk
-        if len(body) > max_bytes:
-            raise ResponseTooLarge(
-                f"the response passed max_response_bytes={max_bytes:,}; a judge's answer is "
-                "a few hundred tokens"
-            )
-    return bytes(body)
-
-
 class OpenAIJudge:
     """A judge behind an OpenAI-compatible chat endpoint, through the ``openai`` client (the
     ``openai`` extra). ``base_url`` defaults to ``$OPENAI_BASE_URL`` (else OpenAI's); the key
@@ -321,6 +309,8 @@ class OpenAIJudge:
             )
             async with request as response:
                 body = await bounded_body(response.iter_bytes(), self.max_response_bytes)
+        except ResponseTooLarge as exc:
+            raise JudgeRefused(str(exc)) from exc  # not worth another try
         except openai.APIStatusError as exc:
             if not is_retried(exc):
                 said = exc.body.get("message") if isinstance(exc.body, dict) else None

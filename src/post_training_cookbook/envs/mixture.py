@@ -53,14 +53,30 @@ class EnvMixture:
     """Envs sampled by weight; each task trains and validates on its own entry's env."""
 
     def __init__(self, entries: Sequence[MixtureEntry]) -> None:
+        if isinstance(entries, MixtureEntry | str | bytes) or not hasattr(entries, "__iter__"):
+            raise ValueError(
+                f"an EnvMixture takes a list of MixtureEntry, got a {type(entries).__name__}"
+            )
+        entries = list(entries)
         if not entries:
             raise ValueError("an EnvMixture needs at least one MixtureEntry")
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, MixtureEntry):
+                raise ValueError(
+                    f"EnvMixture entry {index} is a {type(entry).__name__}, not a MixtureEntry"
+                    "(name, tasks, env_factory, weight=1.0, val_tasks=())"
+                )
         names = [entry.name for entry in entries]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"mixture entries need distinct names; repeated: {repeated}")
         for entry in entries:
             _check_entry(entry)
+        if not math.isfinite(sum(float(entry.weight) for entry in entries)):
+            raise ValueError(
+                "mixture weights sum past what a float holds: weights are relative, so scale "
+                "them down (e.g. divide each by the largest)"
+            )
         self.entries = tuple(
             MixtureEntry(
                 entry.name,
@@ -144,7 +160,16 @@ def _check_entry(entry: MixtureEntry) -> None:
     if not callable(entry.env_factory):
         raise ValueError(f"mixture entry {entry.name!r}: env_factory must be a callable")
     weight = entry.weight
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not math.isfinite(weight):
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
         raise ValueError(f"mixture entry {entry.name!r}: weight must be a number, got {weight!r}")
+    try:
+        finite = math.isfinite(float(weight))
+    except OverflowError:  # an int past what a float holds
+        finite = False
+    if not finite:
+        raise ValueError(
+            f"mixture entry {entry.name!r}: weight must be a number, finite and within a float, "
+            f"got {weight!r:.40}"
+        )
     if weight <= 0:
         raise ValueError(f"mixture entry {entry.name!r}: weight must be > 0, got {weight}")

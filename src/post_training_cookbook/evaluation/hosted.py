@@ -31,8 +31,10 @@ from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.openai_api import (
     RETRIED_STATUSES,
+    ResponseTooLarge,
     api_key_from_env,
     async_client,
+    bounded_body,
     is_retried,
     message_to_api,
 )
@@ -66,8 +68,13 @@ class HostedModel:
     max_retries: int = 4
     backoff_s: float = 1.0
     """The first retry's wait; each further retry doubles it (with jitter), up to 60 s."""
+    max_response_bytes: int = 16_000_000
+    """A response body longer than this is not read on: a ``HostedEndpointError`` (not
+    retried), so a runaway endpoint cannot fill memory."""
 
     def __post_init__(self) -> None:
+        if not self.max_response_bytes >= 1:
+            raise ValueError(f"max_response_bytes must be >= 1, got {self.max_response_bytes}")
         if not self.model:
             raise ValueError("HostedModel needs a model name")
         if not re.match(r"https?://", self.base_url):
@@ -131,8 +138,12 @@ class OpenAIChatSampler:
         hosted = self._hosted
         for attempt in range(hosted.max_retries + 1):
             try:
-                response = await self._client.chat.completions.create(**request)
-                return _turn(response)
+                streamed = self._client.chat.completions.with_streaming_response.create(**request)
+                async with streamed as raw:
+                    body = await bounded_body(raw.iter_bytes(), hosted.max_response_bytes)
+                return _turn(openai.types.chat.ChatCompletion.model_validate_json(body))
+            except ResponseTooLarge as error:
+                raise HostedEndpointError(f"{hosted.base_url}: {error}") from error
             except openai.APIStatusError as error:
                 if _is_context_error(error):
                     return ChatTurn(None, "context_overflow")

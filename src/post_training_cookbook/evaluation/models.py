@@ -130,6 +130,7 @@ def _from_run(run: Path, step: int | None, codec: str | None) -> EvalModel:
             f"run {run} has no final_model yet (still training, or stopped early): "
             f"pass a step; {_steps_note(run)}"
         )
+    resolve_model(str(final), codec=codec or config.codec)  # its files read back (BadFileError)
     return EvalModel(run.name, base, weights_dir=final, run_config=config)
 
 

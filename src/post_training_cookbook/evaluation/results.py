@@ -59,8 +59,10 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if self.episodes_per_task < 1:
             raise ValueError(f"episodes_per_task must be >= 1, got {self.episodes_per_task}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        from post_training_cookbook.engine.types import temperature_problem
+
+        if (problem := temperature_problem(self.temperature)) is not None:
+            raise ValueError(f"temperature {problem}")
 
     @classmethod
     def from_config(cls, config: GRPOConfig) -> EvalSettings:

@@ -176,8 +176,27 @@ _OTHER_JSON_FILES = (
 )
 
 
+_COUNT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+"""config.json fields that must be counts: transformers' own error for one of another type
+is a traceback naming no file."""
+
+
 def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
     config = read_json_object(folder / "config.json")
+    for name in _COUNT_FIELDS:
+        value = config.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise BadFileError(folder / "config.json", f"{name} is {value!r:.40}, not a count")
     for name in _OTHER_JSON_FILES:
         if (folder / name).exists():
             read_json_object(folder / name)

@@ -3,6 +3,7 @@ training loop and by evaluation alike."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -18,13 +19,48 @@ def check_episode_inputs(
     val_tasks: Sequence[Task] = (),
 ) -> None:
     """``ValueError`` naming what is wrong with the tasks or the env factory."""
+    for name, given in (("tasks", tasks), ("val_tasks", val_tasks)):
+        if not isinstance(given, Sequence) or isinstance(given, str | bytes):
+            raise ValueError(
+                f"{name} must be a list (or another sequence) of Task, got a "
+                f"{type(given).__name__}: a generator is used up by one pass, and a run "
+                f"reads its tasks epoch after epoch; pass list({name})"
+            )
     if not tasks:
         raise ValueError(f"tasks is empty: pass at least one Task to {purpose} on")
     if not all(isinstance(task, Task) for task in [*tasks, *val_tasks]):
         which = "tasks and val_tasks" if purpose == "train" else "tasks"
         raise ValueError(f"{which} must hold post_training_cookbook.envs.Task objects")
+    for task in [*tasks, *val_tasks]:
+        if not isinstance(task.prompt, str):
+            raise ValueError(
+                f"a task's prompt is a {type(task.prompt).__name__} ({task.prompt!r:.60}): "
+                "Task.prompt is the user's message, a string"
+            )
     if not callable(env_factory):
         raise ValueError("env_factory must be a callable that builds a fresh Env for a task")
+    if _is_env_class_taking_no_task(env_factory):
+        name = getattr(env_factory, "__name__", "MyEnv")
+        raise ValueError(
+            f"env_factory is the class {name}, whose constructor needs no task: the loop "
+            f"would call {name}(task), passing the task as its first argument; pass "
+            f"env_factory=lambda task: {name}()"
+        )
+
+
+def _is_env_class_taking_no_task(factory: object) -> bool:
+    """An ``Env`` class that can be built with no arguments: ``env_factory=MyEnv`` then
+    hands the task to a parameter meant for something else (``ToolEnv``'s ``tools``)."""
+    if not (inspect.isclass(factory) and issubclass(factory, Env)):
+        return False
+    try:
+        parameters = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional or positional[0].name == "task":
+        return False
+    return all(p.default is not p.empty for p in positional)
 
 
 class UnusableRolloutsError(RuntimeError):

@@ -61,6 +61,9 @@ class EpisodeLimits:
     """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
+        for name in ("max_turns", "max_model_length", "max_tokens_per_turn"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.env_errors not in ENV_ERROR_POLICIES:
             raise ValueError(
                 f"env_errors must be one of {ENV_ERROR_POLICIES}, got {self.env_errors!r}"

@@ -9,15 +9,21 @@ Routes (every answer JSON; errors in the API's format with their status codes):
     GET  /health
 
 Bounds: a body over ``max_request_bytes`` is refused with 413 before it is read whole (by its
-Content-Length, else as it streams in); more than ``max_concurrent_requests`` completions in
+Content-Length, else as it streams in); a body slower than ``body_timeout_s`` gets 408, and
+headers slower than ``header_timeout_s`` close the connection; decoding, checking and
+tokenizing a request run off the event loop, so a large one does not hold the others up;
+more than ``max_concurrent_requests`` completions in
 flight get 429 ``server_busy`` (the ``openai`` client retries those with backoff). Auth: the
 served model's routes need ``Authorization: Bearer <token>`` when the server has a token
 (it must have one when bound off loopback, see ``server.py``); an episode's routes need that
-episode's own key, so that one agent cannot write into another's episode.
+episode's own key, so that one agent cannot write into another's episode. The key is checked
+before a request takes a slot or its body is read: requests without it cannot hold the slots
+authorised ones need (nor does a connection count limit apply, which they could fill).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from dataclasses import dataclass, field
@@ -30,7 +36,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from post_training_cookbook.serve.policy import Endpoint
-from post_training_cookbook.serve.wire import ApiError, decode_json, error_body, parse_chat_request
+from post_training_cookbook.serve.wire import (
+    ApiError,
+    ChatRequest,
+    decode_json,
+    error_body,
+    parse_chat_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +55,19 @@ class ServerLimits:
     max_concurrent_requests: int = 64
     max_n: int = 16
     """The most choices one request may ask for."""
+    header_timeout_s: float = 10.0
+    """A connection that has not sent a request's headers this long after it opened (or
+    after its previous answer) is closed (``serve/timeouts.py``)."""
+    body_timeout_s: float = 30.0
+    """A request whose body has not arrived whole this long after its headers gets 408."""
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_concurrent_requests", "max_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass
@@ -105,8 +125,18 @@ def build_app(routes: Routes) -> Starlette:
 
 async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
     try:
-        endpoint: Endpoint = find()
-        if routes.in_flight >= routes.limits.max_concurrent_requests:
+        endpoint: Endpoint = find()  # the key first: without it, nothing is read or held
+        limits = routes.limits
+        try:  # the body before a slot: a client sending it slowly holds no slot meanwhile
+            async with asyncio.timeout(limits.body_timeout_s):
+                raw = await _read_body(request, limits.max_request_bytes)
+        except TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {limits.body_timeout_s:g}s",
+                code="request_timeout",
+            ) from None
+        if routes.in_flight >= limits.max_concurrent_requests:
             raise ApiError(
                 429,
                 f"the server has {routes.in_flight} requests in flight (its limit): retry later",
@@ -115,8 +145,8 @@ async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
             )
         routes.in_flight += 1
         try:
-            body = decode_json(await _read_body(request, routes.limits.max_request_bytes))
-            chat = parse_chat_request(body, max_n=routes.limits.max_n)
+            # off the event loop: a 4 MB body takes a while to decode and check
+            chat = await asyncio.to_thread(_parsed, raw, limits.max_n)
             return JSONResponse(await endpoint.complete(chat))
         finally:
             routes.in_flight -= 1
@@ -125,6 +155,10 @@ async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
     except Exception:
         log.exception("chat completion failed")
         return JSONResponse(error_body("internal server error", kind="server_error"), 500)
+
+
+def _parsed(raw: bytes, max_n: int) -> ChatRequest:
+    return parse_chat_request(decode_json(raw), max_n=max_n)
 
 
 def _default(routes: Routes, request: Request) -> Endpoint:

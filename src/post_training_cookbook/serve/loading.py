@@ -24,9 +24,12 @@ def load_served_model(
     default_max_tokens: int = 256,
     max_batch_size: int = 64,
     name: str | None = None,
+    prefix_cache_bytes: int | None = None,
 ) -> tuple[ServedModel, LocalEngine]:
     """The model and the ``LocalEngine`` that samples it (close the engine when done).
-    ``max_model_length`` defaults to the catalog's context, at most 32768."""
+    ``max_model_length`` defaults to the catalog's context, at most 32768;
+    ``prefix_cache_bytes`` bounds the engine's prefix cache (None: a share of the device's
+    memory, ``engine/prefix_cache.py``)."""
     import torch
 
     from post_training_cookbook.engine.local import LocalEngine
@@ -42,6 +45,7 @@ def load_served_model(
         load_eval_weights(model),
         dtype=getattr(torch, dtype or model.dtype),
         max_batch_size=max_batch_size,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     served = ServedModel(name or model.name, loaded_codec, engine, length, default_max_tokens)
     return served, engine

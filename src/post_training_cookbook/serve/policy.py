@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -67,8 +68,8 @@ class Endpoint:
     store: ConversationStore = field(default_factory=ConversationStore)
 
     async def complete(self, request: ChatRequest) -> dict[str, Any]:
-        plan = self.plan(request)
-        params = self.sampling_params(request, plan)
+        # rendering and tokenizing off the event loop: a long prompt takes a while
+        plan, params = await asyncio.to_thread(self._planned, request)
         sequences = await self.sample(plan.tokens, request.n, params)
         completions = [self._completion(sequence, request.stop) for sequence in sequences]
         turns = self.served(request, plan, completions)
@@ -88,6 +89,10 @@ class Endpoint:
             completion_tokens=sum(len(c.sequence.tokens) for c in completions),
             fingerprint="policy-" + "-".join(f"v{version}" for version in versions),
         )
+
+    def _planned(self, request: ChatRequest) -> tuple[PromptPlan, SamplingParams]:
+        plan = self.plan(request)
+        return plan, self.sampling_params(request, plan)
 
     # ---- the steps an episode endpoint changes
 

@@ -22,6 +22,7 @@ import uvicorn
 
 from post_training_cookbook.serve.app import Routes, ServerLimits, build_app
 from post_training_cookbook.serve.policy import Endpoint, ServedModel
+from post_training_cookbook.serve.timeouts import header_timed_protocol
 
 START_TIMEOUT_S = 30.0
 
@@ -77,13 +78,13 @@ class PolicyServer:
         self._on_stop = on_stop
         self.limits = limits or ServerLimits()
         self.routes = Routes(Endpoint(model) if model else None, token, self.limits)
-        self._socket = _bound_socket(host, port)
+        self._socket = bound_socket(host, port)
         self.port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(
             build_app(self.routes),
             log_level="warning",
             access_log=False,
-            limit_concurrency=self.limits.max_concurrent_requests * 2 + 16,
+            http=header_timed_protocol(self.limits.header_timeout_s),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
@@ -149,8 +150,10 @@ async def serve_forever(
     port: int = 8000,
     token: str | None = None,
     limits: ServerLimits | None = None,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve ``model`` in this event loop until interrupted (Ctrl-C stops it cleanly)."""
+    """Serve ``model`` in this event loop until interrupted (Ctrl-C stops it cleanly);
+    ``sock``: a socket already bound (``bound_socket``), so a port in use fails early."""
     check_bind(host, token)
     limits = limits or ServerLimits()
     app = build_app(Routes(Endpoint(model), token, limits))
@@ -159,12 +162,12 @@ async def serve_forever(
         host=host,
         port=port,
         log_level="info",
-        limit_concurrency=limits.max_concurrent_requests * 2 + 16,
+        http=header_timed_protocol(limits.header_timeout_s),
     )
-    await uvicorn.Server(config).serve()
+    await uvicorn.Server(config).serve(sockets=None if sock is None else [sock])
 
 
-def _bound_socket(host: str, port: int) -> socket.socket:
+def bound_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
