@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
 
-from post_training_cookbook.grpo.advantages import AdvantageNormalization
+from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnRewards
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
     FITS_CONTEXT,
     IN_0_1,
     IN_0_1_CLOSED,
     IN_FLIGHT_NEEDS_ASYNC,
+    IN_UNIT_INTERVAL,
     RAY_ADDRESS_NEEDS_RAY,
     TOP_P,
     WHY_GROUP,
@@ -46,6 +47,7 @@ from post_training_cookbook.grpo.validation import (
     deferred_sync_needs_async,
     device_name,
     device_on_local,
+    discount_needs_per_step,
     field_rules,
     folder_name,
     gpus_on_ray,
@@ -184,6 +186,17 @@ class GRPOConfig:
     advantage_normalization: AdvantageNormalization = "mean_std"
     """``"mean_std"``: advantage = (reward − group mean) / group std. ``"mean"``: reward −
     group mean. Dr. GRPO uses ``"mean"``; set it with ``loss_type="dr_grpo"``."""
+    turn_rewards: TurnRewards = "final"
+    """``"final"``: an episode's tokens share one advantage, from its last step's reward
+    (the hosted guide's rule). ``"per_step"``: every step's reward counts, and each turn gets
+    an advantage of its own: its discounted return compared with the returns of the group's
+    episodes at the same turn (docs/losses.md, Turn-level rewards)."""
+    turn_discount: float = setting(
+        1.0, holds(lambda v: 0 <= v <= 1, IN_UNIT_INTERVAL), discount_needs_per_step
+    )
+    """γ of the per-step returns G_k = r_k + γ · G_(k+1), in [0, 1]; only with
+    ``turn_rewards="per_step"``. 1 credits a turn with every reward after it, 0 with its own
+    step's alone."""
     clip_low: float = 0.2
     """The ratio is clipped below at ``1 − clip_low``. CISPO ignores it."""
     clip_high: float = 0.2

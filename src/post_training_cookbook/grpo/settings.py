@@ -127,7 +127,11 @@ class RunSettings:
             max_sampling_attempts=config.max_sampling_attempts,
             seed=config.seed,
             advantages=AdvantageSettings(
-                shaping, config.advantage_normalization, config.overlong_masking
+                shaping,
+                config.advantage_normalization,
+                config.overlong_masking,
+                config.turn_rewards,
+                config.turn_discount,
             ),
             loss=loss_config_of(config),
             learning_rate=LearningRateSchedule(

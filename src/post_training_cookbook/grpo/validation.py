@@ -103,6 +103,7 @@ WHY_GROUP = (
 WHY_OFF_POLICY = "None keeps lockstep; 0 admits only groups started under the current policy"
 IN_0_1 = "{name} must be in [0, 1), got {value}"
 IN_0_1_CLOSED = "{name} must be in (0, 1] or None, got {value}"
+IN_UNIT_INTERVAL = "{name} must be in [0, 1], got {value}"
 TOP_P = "{name} must be in (0, 1], got {value}; 1 turns it off"
 FITS_CONTEXT = ": lower max_tokens_per_turn or raise max_model_length"
 BUFFER_ADVICE = "; 0 turns the soft penalty off"
@@ -141,6 +142,16 @@ def only_with_dr_grpo(config: GRPOConfig, name: str, value: Any) -> str | None:
     return (
         f"dr_grpo_horizon is used only by loss_type='dr_grpo' (got loss_type="
         f"{config.loss_type!r}): set loss_type='dr_grpo' or dr_grpo_horizon=None"
+    )
+
+
+def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value == 1.0 or config.turn_rewards == "per_step":
+        return None
+    return (
+        f"turn_discount={value} discounts per-step returns, used only by "
+        f"turn_rewards='per_step' (got turn_rewards={config.turn_rewards!r}): set "
+        "turn_rewards='per_step' or leave turn_discount=1.0"
     )
 
 

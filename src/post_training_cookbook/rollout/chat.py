@@ -138,6 +138,7 @@ async def _play_chat(
         episode.length_capped_turns += turn.finish_reason == "length"
         if turn.message is None:
             episode.reward = limits.failed_parse_reward
+            episode.turn_rewards.append(limits.failed_parse_reward)
             episode.truncation = TruncationCause.PARSE_FAILURE
             break
         added = await step_env(episode, env, turn.message, conversation, limits)
