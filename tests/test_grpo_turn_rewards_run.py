@@ -46,8 +46,8 @@ def _looks_up(message: Message, key: str) -> bool:
     return isinstance(parsed, dict) and parsed.get("key") == key
 
 
-def run(runs_dir: Path, turn_rewards: str) -> Path:
-    config = GRPOConfig(
+def run(runs_dir: Path, turn_rewards: str, **overrides: Any) -> Path:
+    settings: dict[str, Any] = dict(
         batch_size=2,
         episodes_per_task=6,
         num_steps=3,
@@ -60,9 +60,10 @@ def run(runs_dir: Path, turn_rewards: str) -> Path:
         validation_interval=0,
         checkpoint_interval=0,
         runs_dir=str(runs_dir),
-        run_name=turn_rewards,
+        run_name=f"{turn_rewards}-{overrides.get('max_steps_off_policy')}",
         seed=1,
     )
+    config = GRPOConfig(**(settings | overrides))
     return train_multi_turn(config, tasks=TASKS, env_factory=lambda task: FirstCallEnv()).path
 
 
@@ -118,3 +119,13 @@ def test_final_rewards_see_nothing_to_learn_in_the_same_env(tmp_path: Path) -> N
         assert step["train/samples"] == 0.0
     assert "rollout/turn_0/return_mean" not in metrics[0]  # returns are per_step's alone
     assert any(step["rollout/turn_0/reward_mean"] > 0 for step in metrics.values())
+
+
+def test_the_async_loop_trains_on_per_step_rewards_too(tmp_path: Path, monkeypatch: Any) -> None:
+    recorded = RecordedSamples(monkeypatch)
+    metrics = step_metrics(run(tmp_path, "per_step", max_steps_off_policy=1, num_steps=2))
+    assert set(metrics) == {0, 1}
+    assert all(step["rollout/turn_1/informative_share"] == 0.0 for step in metrics.values())
+    trained = [sample for batch in recorded.batches for sample in batch]
+    assert trained and all(any(a != 0 for a in sample.advantages) for sample in trained)
+    assert sum(step["train/samples"] for step in metrics.values()) == len(trained)
