@@ -71,10 +71,15 @@ class AdvantageSettings:
     guide's rule); ``"per_step"``: one per turn, from every step's reward."""
     turn_discount: float = 1.0
     """γ of the per-step returns: G_k = r_k + γ · G_{k+1}."""
+    env_advantage: bool = True
+    """False (distillation alone, ``distill_env_advantage=False``): every group is trained,
+    reward variance or not, and the env gives no advantage (the teacher's is added later)."""
 
 
 def is_informative(group: Group, settings: AdvantageSettings) -> bool:
     """Whether training on ``group`` can move the policy: its advantages are not all 0."""
+    if not settings.env_advantage:  # the teacher's advantages move it
+        return any(episode.num_sampled_tokens for episode in group.episodes)
     if settings.turn_rewards == "per_step":
         return any(has_reward_variance(at_turn) for at_turn in returns_by_turn_index(
             [turn_returns(e, settings.shaping, settings.turn_discount) for e in group.episodes]
@@ -133,6 +138,8 @@ def build_training_batch(groups: Sequence[Group], settings: AdvantageSettings) -
 
 def _token_advantages(group: Group, settings: AdvantageSettings) -> list[list[float]]:
     """Each episode's advantage of each of its tokens (0 on forced tokens)."""
+    if not settings.env_advantage:
+        return [[0.0] * len(episode.tokens) for episode in group.episodes]
     if settings.turn_rewards == "per_step":
         return turn_token_advantages(group, settings.shaping, settings.turn_discount,
                                      settings.normalization)  # fmt: skip

@@ -46,6 +46,7 @@ from post_training_cookbook.grpo.async_workers import (
 )
 from post_training_cookbook.grpo.data import task_stream
 from post_training_cookbook.grpo.lockstep import (
+    distill_phase,
     rollout_metrics,
     save_checkpoint,
     train,
@@ -164,6 +165,8 @@ async def run_async(
             check_rollouts_usable(groups, f"step {step}", limit)
             # 2. score
             batch = build_training_batch(admission.informative, steps.advantages)
+            batch, distilled = await distill_phase(run, batch)
+            metrics |= distilled
             # 3. train, publish with weight_sync_type
             metrics |= await train(service, batch, steps, step)
             # 4. record

@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from post_training_cookbook.distill.advantages import distill_batch
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.envs.mixture import EnvMixture
@@ -68,6 +69,8 @@ async def run_lockstep(
         check_rollouts_usable(collected.groups, f"step {step}", max_model_length)
         # 2. score
         batch = build_training_batch(collected.informative[: steps.batch_size], steps.advantages)
+        batch, distilled = await distill_phase(run, batch)
+        metrics |= distilled
         # 3. train
         metrics |= await train(run.service, batch, steps, step)
         # 4. record
@@ -128,6 +131,14 @@ async def collect_groups(
             group for group in groups if is_informative(group, steps.advantages)
         ]
     return collected
+
+
+async def distill_phase(run: Run, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
+    """Phase 2b, with a teacher: its per-token advantages added to the batch's."""
+    distill = run.settings.steps.distill
+    if run.teacher is None or distill is None:
+        return batch, {}
+    return await distill_batch(batch, run.teacher, run.service, distill)
 
 
 async def train(

@@ -155,6 +155,30 @@ def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | 
     )
 
 
+TEACHER_MODEL_RULE = "teacher_model names an endpoint teacher's model: set teacher to its URL"
+
+
+def endpoint_teacher(config: GRPOConfig) -> bool:
+    return config.teacher is not None and config.teacher.startswith(("http://", "https://"))
+
+
+def teacher_source(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value is None or not value.startswith("http") or endpoint_teacher(config):
+        return None
+    return f"teacher={value!r} looks like a URL: write it as http(s)://host:port/v1"
+
+
+def needs_teacher(default: Any) -> Rule:
+    """A distillation setting other than its default needs a teacher."""
+
+    def rule(config: Any, name: str, value: Any) -> str | None:
+        if value == default or config.teacher is not None:
+            return None
+        return f"{name}={value!r} applies to on-policy distillation: set teacher too"
+
+    return rule
+
+
 def deferred_sync_needs_async(config: GRPOConfig, name: str, value: Any) -> str | None:
     if value not in _DEFERRED_SYNC or is_async(config):
         return None

@@ -3,6 +3,7 @@
 Routes (every answer JSON; errors in the API's format with their status codes):
 
     POST /v1/chat/completions                     the served model (``serve``)
+    POST /v1/completions                          prompt log-probabilities (``prompt_scores``)
     GET  /v1/models                               its name
     POST /episodes/<id>/v1/chat/completions       one episode of the agent adapter
     GET  /episodes/<id>/v1/models
@@ -30,6 +31,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from post_training_cookbook.serve.policy import Endpoint
+from post_training_cookbook.serve.prompt_scores import parse_prompt_score_request, score_prompts
 from post_training_cookbook.serve.wire import ApiError, decode_json, error_body, parse_chat_request
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,9 @@ def build_app(routes: Routes) -> Starlette:
     async def completions(request: Request) -> JSONResponse:
         return await _answer(request, routes, lambda: _default(routes, request))
 
+    async def prompt_scores(request: Request) -> JSONResponse:
+        return await _answer(request, routes, lambda: _default(routes, request), scores=True)
+
     async def episode_completions(request: Request) -> JSONResponse:
         return await _answer(request, routes, lambda: _episode(routes, request))
 
@@ -94,6 +99,7 @@ def build_app(routes: Routes) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/completions", prompt_scores, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/episodes/{episode}/v1/chat/completions", episode_completions, methods=["POST"]),
             Route("/episodes/{episode}/v1/models", episode_models, methods=["GET"]),
@@ -103,7 +109,9 @@ def build_app(routes: Routes) -> Starlette:
     )
 
 
-async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
+async def _answer(
+    request: Request, routes: Routes, find: Any, *, scores: bool = False
+) -> JSONResponse:
     try:
         endpoint: Endpoint = find()
         if routes.in_flight >= routes.limits.max_concurrent_requests:
@@ -116,6 +124,10 @@ async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
         routes.in_flight += 1
         try:
             body = decode_json(await _read_body(request, routes.limits.max_request_bytes))
+            if scores:
+                vocab = len(endpoint.model.codec.tokenizer)
+                asked = parse_prompt_score_request(body, vocab)
+                return JSONResponse(await score_prompts(endpoint.model, asked))
             chat = parse_chat_request(body, max_n=routes.limits.max_n)
             return JSONResponse(await endpoint.complete(chat))
         finally:
