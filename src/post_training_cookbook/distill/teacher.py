@@ -118,8 +118,7 @@ class LocalTeacher:
         weights = load_eval_weights(resolve_eval_model(source))
         trainer = Trainer(
             weights,
-            use_lora=False,
-            autocast_bf16=False,
+            use_lora=False,  # autocast_bf16 as the student's trainer decides it
             micro_batch_tokens=scoring.micro_batch_tokens,
             logprob_chunk_tokens=scoring.logprob_chunk_tokens,
             device=scoring.device,

@@ -46,8 +46,7 @@ def load_served_model(
     engine = LocalEngine(  # a copy of its own: ``weights`` stay the scorer's
         weights, dtype=getattr(torch, dtype or model.dtype), max_batch_size=max_batch_size
     )
-    scorer = LocalTeacher(name or model.name, Trainer(weights, use_lora=False, device="cpu",
-                                                      autocast_bf16=False))  # fmt: skip
+    scorer = LocalTeacher(name or model.name, Trainer(weights, use_lora=False, device="cpu"))
     served = ServedModel(
         name or model.name, loaded_codec, engine, length, default_max_tokens, scorer
     )
