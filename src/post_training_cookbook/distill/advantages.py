@@ -23,11 +23,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from post_training_cookbook.distill.teacher import Teacher, TeacherError
+from post_training_cookbook.distill.teacher import Teacher, TeacherCallError, TeacherError
 from post_training_cookbook.grpo.advantages import TrainingBatch
 from post_training_cookbook.rollout.types import EnvErrorPolicy
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.trainer.types import TrainingSample
+
+TEACHER_FAILURES = (TeacherCallError, TimeoutError, OSError)
+"""What a teacher call may fail with and the step survive (under ``env_errors`` other than
+``"raise"``): a request that failed after its retries, a timeout, the machine's I/O."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,9 @@ async def distill_batch(
     for chunk, answer in zip(chunks, teacher_answers, strict=True):
         students = [next(student_iter) for _ in chunk]
         if isinstance(answer, BaseException):
-            if settings.env_errors == "raise" or isinstance(answer, TeacherError):
+            if not isinstance(answer, TEACHER_FAILURES):
+                raise answer  # a fault of ours or a teacher unfit to teach: never skipped
+            if settings.env_errors == "raise":
                 raise TeacherError(f"teacher {teacher.name}: {answer}") from answer
             failed += len(chunk)
             continue

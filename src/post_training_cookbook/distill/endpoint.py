@@ -23,13 +23,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from post_training_cookbook.distill.teacher import TeacherError
+from post_training_cookbook.distill.teacher import TeacherCallError, TeacherError
 from post_training_cookbook.endpoints import RETRIED_STATUSES
 from post_training_cookbook.trainer.types import TrainingSample
-
-
-class TeacherCallError(RuntimeError):
-    """A teacher request that failed after its retries."""
 
 
 class EndpointTeacher:

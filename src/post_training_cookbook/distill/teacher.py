@@ -32,6 +32,11 @@ class TeacherError(RuntimeError):
     way that shows it is not fit to teach (another tokenizer)."""
 
 
+class TeacherCallError(RuntimeError):
+    """A teacher call that failed after its retries: the step survives it unless
+    ``env_errors="raise"``."""
+
+
 class Teacher(Protocol):
     name: str
 
