@@ -14,8 +14,8 @@ env's reward is measured, not trained on). What differs from the GRPO recipe, an
 - teacher, distill_env_advantage=False: distillation alone, so every group trains (no
   reward variance needed, no dynamic sampling);
 - episodes_per_task 4 (GRPO: 8): no group baseline to estimate, so half the episodes a
-  step; num_steps 20 (GRPO: 70) and validation every 5 steps: a dense signal learns in
-  fewer steps. docs/losses.md (On-policy distillation) has one measured run of each.
+  step; num_steps 20 (GRPO: 70): a dense signal learns in fewer steps. docs/losses.md
+  (On-policy distillation) has one measured run of each.
 """
 
 import sys
@@ -42,7 +42,7 @@ if __name__ == "__main__":
         batch_size=16,
         episodes_per_task=4,
         num_steps=20,
-        validation_interval=5,
+        validation_interval=10,
         max_turns=6,
         max_model_length=2048,
         learning_rate=2e-4,
