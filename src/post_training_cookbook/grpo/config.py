@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of some sixty fields, each documented once, right under it.
+dataclass of some seventy fields, each documented once, right under it.
 """
 
 from __future__ import annotations
