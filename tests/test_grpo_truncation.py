@@ -145,7 +145,7 @@ def test_reward_variance_is_judged_on_shaped_rewards_by_the_skip_and_the_metric_
     informative = Group(TASK, [episode(10, 0.0, None), episode(90, 0.0, TruncationCause.MAX_TURNS)])
     flat = Group(TASK, [episode(10, 0.0, None), episode(90, 0.0, TruncationCause.ENV)])
     batch = build_training_batch([informative, flat], SCORING)
-    metrics = rollout_metrics([informative, flat], SCORING.shaping)
+    metrics = rollout_metrics([informative, flat], SCORING)
     assert (batch.num_groups, batch.zero_variance_groups) == (1, 1)
     assert metrics["rollout/reward_variance_share"] == 0.5
     # on raw rewards neither group varies: the metric would have disagreed with the skip

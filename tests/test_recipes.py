@@ -45,3 +45,25 @@ def test_the_recipe_runs_two_steps_as_written(recipe, tmp_path, monkeypatch):
     (run,) = runs
     assert (run.final_model_dir / "config.json").is_file()
     assert len((run.path / "metrics.jsonl").read_text().splitlines()) == 3  # 2 steps + final val
+
+
+def test_the_distillation_recipe_runs_two_steps_as_written(tmp_path, monkeypatch):
+    """With the bundled model as its own teacher (the recipe's teacher is a GRPO run)."""
+    real = grpo_train.train_multi_turn
+    runs = []
+
+    def two_steps(config, tasks, env_factory=None, val_tasks=None):
+        short = replace(
+            config, num_steps=2, validation_interval=1, runs_dir=str(tmp_path),
+            wandb_project=None, checkpoint_interval=0, batch_size=2,
+        )  # fmt: skip
+        runs.append(real(short, tasks, env_factory, list(val_tasks or [])[:4]))
+        return runs[-1]
+
+    monkeypatch.setattr(grpo_train, "train_multi_turn", two_steps)
+    monkeypatch.setattr("sys.argv", ["tool_use_game.py", "post-training-cookbook/tool-use-tiny"])
+    recipe = Path(__file__).parent.parent / "recipes" / "distill" / "tool_use_game.py"
+    runpy.run_path(str(recipe), run_name="__main__")
+    (run,) = runs
+    lines = (run.path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and '"distill/reverse_kl": 0.0' in lines[0]

@@ -16,6 +16,10 @@ logprobs and policy versions (``episode.py``), in one segment per unbroken histo
 
 The reward: what the agent returns (a finite number), or, with ``reward_fn``, what
 ``reward_fn(task, messages)`` says of the transcript (the agent's return is then ignored).
+Either may instead be a list of per-call rewards, one per ``chat.completions`` call the
+agent made, in order: the episode's turn rewards (``turn_rewards="per_step"`` credits each
+call's tokens with its own), the last call's being the episode's reward. A single number is
+the last call's reward, the calls before it getting 0.
 When the episode ended before the agent did (``MAX_TURNS``, ``CONTEXT_OVERFLOW``,
 ``PARSE_FAILURE``: its next call was refused), an agent that raises is not an error: the
 reward is ``reward_fn``'s, else 0.0; a ``PARSE_FAILURE`` always gets ``failed_parse_reward``.
@@ -57,7 +61,10 @@ from post_training_cookbook.types import Message
 
 Agent = Callable[[str, str, Task], Any]
 """``agent(base_url, api_key, task)``: returns the reward (or awaits to it, when async)."""
-RewardFn = Callable[[Task, list[Message]], float | Awaitable[float]]
+AgentReward = float | list[float]
+"""The episode's reward, or one reward per call the agent made (``turn_rewards="per_step"``
+trains each call's tokens on its own reward)."""
+RewardFn = Callable[[Task, list[Message]], AgentReward | Awaitable[AgentReward]]
 MODEL_NAME = "policy"
 """The model name the server answers with (any name in a request is accepted)."""
 
@@ -181,10 +188,12 @@ class AgentDriver:
         if failure is not None and endpoint.truncation is None:
             raise failure  # not a refused call after the episode ended: the agent failed
         episode.truncation = endpoint.truncation
+        calls = endpoint.requests
         if episode.truncation is TruncationCause.PARSE_FAILURE:
-            episode.reward = limits.failed_parse_reward
+            reward: AgentReward = limits.failed_parse_reward
         else:
-            episode.reward = await _reward(env.envs, episode, returned, failed=failure is not None)
+            reward = await _reward(env.envs, episode, returned, failed=failure is not None)
+        episode.reward, episode.turn_rewards = _per_call(reward, calls)
         episode.metrics = {
             "agent_requests": float(endpoint.requests),
             "agent_segments": float(number_of_segments),
@@ -215,20 +224,41 @@ async def _run_agent(
     return returned, None
 
 
-async def _reward(envs: AgentEnvs, episode: Episode, returned: Any, *, failed: bool) -> float:
+async def _reward(envs: AgentEnvs, episode: Episode, returned: Any, *, failed: bool) -> AgentReward:
     reward_fn = envs.reward_fn
+    calls = episode.num_turns
     if reward_fn is not None:
         value = reward_fn(episode.task, list(episode.messages))
         value = await value if inspect.isawaitable(value) else value
-        return _finite(value, "reward_fn")
+        return _checked_reward(value, "reward_fn", calls)
     if failed:
         return 0.0
-    return _finite(returned, "the agent")
+    return _checked_reward(returned, "the agent", calls)
 
 
 def _is_async(agent: Agent) -> bool:
     """A coroutine function, or an object whose ``__call__`` is one."""
     return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
+
+
+def _checked_reward(value: Any, who: str, calls: int) -> AgentReward:
+    """The episode's reward, or one reward per call the agent made (a list or tuple)."""
+    if isinstance(value, list | tuple):
+        if len(value) != calls:
+            raise EnvFault(
+                f"{who} returned {len(value)} per-call rewards for {calls} calls: return one "
+                "reward per chat.completions call, or the episode's reward as one number"
+            )
+        return [_finite(item, who) for item in value]
+    return _finite(value, who)
+
+
+def _per_call(reward: AgentReward, calls: int) -> tuple[float, list[float]]:
+    """The episode's reward (the last call's, as a native env's is its last step's) and one
+    reward per call: a single number is the last call's, the calls before it get 0."""
+    if isinstance(reward, list):
+        return (reward[-1] if reward else 0.0), reward
+    return reward, [*[0.0] * max(0, calls - 1), reward][:calls]
 
 
 def _finite(value: Any, who: str) -> float:

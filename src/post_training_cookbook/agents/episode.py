@@ -51,6 +51,9 @@ class Turn:
     sequence: SampledSequence
     parent: int | None
     """The turn whose tokens the prompt extends; None when it was rendered afresh."""
+    call: int = -1
+    """The agent's call (counted from 0) that sampled it: the episode's turn, whose reward
+    a per-call reward is; -1: unknown, ``number`` stands in."""
 
 
 @dataclass
@@ -71,6 +74,8 @@ class EpisodeEndpoint(Endpoint):
     history_breaks: int = 0
     """Calls after the first that did not continue a served turn (rendered afresh)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _call_of_plan: dict[int, int] = field(default_factory=dict, repr=False)
+    """id of a call's prompt plan → the call's index, until its completions are served."""
     _closed: bool = False
 
     def plan(self, request: ChatRequest) -> PromptPlan:
@@ -86,7 +91,9 @@ class EpisodeEndpoint(Endpoint):
                     code="max_turns_reached",
                 )
             self.requests += 1
+            call = self.requests - 1
         plan = super().plan(request)
+        self._call_of_plan[id(plan)] = call
         if plan.parent is None and self.requests > 1:
             self.history_breaks += 1
         return plan
@@ -137,12 +144,13 @@ class EpisodeEndpoint(Endpoint):
         by_room = self.limits.max_model_length - len(plan.tokens) < wanted
         served = []
         with self._lock:
+            call = self._call_of_plan.pop(id(plan), len(self.turns))
             for completion in completions:
                 number = len(self.turns)
                 parent = plan.parent.number if plan.parent is not None else None
                 sequence = completion.sequence
                 if not self._closed:
-                    self.turns.append(Turn(number, plan.tokens, sequence, parent))
+                    self.turns.append(Turn(number, plan.tokens, sequence, parent, call))
                 served.append(ServedTurn(plan.tokens + sequence.tokens, sequence.tokens, number))
                 if not completion.parsed:
                     self.truncation = TruncationCause.PARSE_FAILURE
@@ -186,7 +194,7 @@ def record_segments(episode: Episode, turns: list[Turn]) -> int:
             if turn.prompt[: len(covered)] != covered:
                 raise RuntimeError("a turn's prompt does not extend its segment's tokens")
             episode.add_forced(turn.prompt[len(covered) :])
-            episode.add_sampled(turn.sequence)
+            episode.add_sampled(turn.sequence, turn.call if turn.call >= 0 else turn.number)
             covered = turn.prompt + turn.sequence.tokens
     episode.segment_starts = episode.segment_starts or [0]
     return len(chains)

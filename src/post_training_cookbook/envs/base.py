@@ -11,7 +11,9 @@ ends; the loop owns tokenization and sampling. One episode:
             break
     await env.close()
 
-Only the final ``StepResult``'s ``reward`` and ``metrics`` are read.
+The final ``StepResult``'s ``reward`` is the episode's and its ``metrics`` are the episode's
+metrics. Every step's ``reward`` is kept too (``Episode.turn_rewards``): training reads it
+with ``turn_rewards="per_step"`` (each turn credited with its return), not by default.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ class StepResult:
 
     ``terminated``: task logic ended the episode (e.g. a final answer).
     ``truncated``: it was cut short for another reason (e.g. the env's own turn limit).
-    ``reward`` and ``metrics`` are read only from the step that ends the episode.
+    ``reward``: this step's own reward (not a running total). The step that ends the episode
+    gives the episode's reward; earlier steps' rewards count only with
+    ``turn_rewards="per_step"``. ``metrics`` are read from the step that ends the episode.
     """
 
     terminated: bool

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.grpo.advantages import (
-    RewardShaping,
     build_training_batch,
     is_informative,
 )
@@ -47,6 +46,7 @@ from post_training_cookbook.grpo.async_workers import (
 )
 from post_training_cookbook.grpo.data import task_stream
 from post_training_cookbook.grpo.lockstep import (
+    distill_phase,
     rollout_metrics,
     save_checkpoint,
     train,
@@ -105,7 +105,6 @@ async def admit_groups(
     """Take finished groups, oldest first, until the batch is full or the dynamic-sampling
     budget is spent."""
     admission = AsyncAdmission()
-    shaping: RewardShaping = steps.advantages.shaping
     budget = steps.max_sampling_attempts * steps.batch_size
     last_chance = trainer_version - max_steps_off_policy
     while len(admission.admitted) < budget:
@@ -124,7 +123,7 @@ async def admit_groups(
             continue
         admission.admitted.append(stamped)
         admission.ages.append(age)
-        if is_informative(stamped.group, shaping):
+        if is_informative(stamped.group, steps.advantages):
             admission.informative.append(stamped.group)
     # while this step trains, workers fill the next one, whose trainer version is one higher
     workers.gate.admitting(trainer_version + 1, steps.batch_size)
@@ -166,11 +165,13 @@ async def run_async(
             check_rollouts_usable(groups, f"step {step}", limit)
             # 2. score
             batch = build_training_batch(admission.informative, steps.advantages)
+            batch, distilled = await distill_phase(run, batch)
+            metrics |= distilled
             # 3. train, publish with weight_sync_type
             metrics |= await train(service, batch, steps, step)
             # 4. record
             run.directory.dump_rollouts(step, groups)
-            metrics |= rollout_metrics(groups, steps.advantages.shaping) | admission.metrics()
+            metrics |= rollout_metrics(groups, steps.advantages) | admission.metrics()
             metrics |= validations.finished() | {
                 "time/admit": admitted - started,
                 "time/step": time.perf_counter() - started,

@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 71 fields, each documented once, right under it (a test keeps the count).
+dataclass of 81 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
 
-from post_training_cookbook.grpo.advantages import AdvantageNormalization
+from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnRewards
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
     FITS_CONTEXT,
     IN_0_1,
     IN_0_1_CLOSED,
     IN_FLIGHT_NEEDS_ASYNC,
+    IN_UNIT_INTERVAL,
     RAY_ADDRESS_NEEDS_RAY,
+    TEACHER_MODEL_RULE,
     TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
@@ -47,6 +49,8 @@ from post_training_cookbook.grpo.validation import (
     deferred_sync_needs_async,
     device_name,
     device_on_local,
+    discount_needs_per_step,
+    endpoint_teacher,
     field_rules,
     folder_name,
     gpus_on_ray,
@@ -56,6 +60,7 @@ from post_training_cookbook.grpo.validation import (
     is_int,
     loss_settings_valid,
     matches,
+    needs_teacher,
     non_negative,
     on_ray,
     one_vllm_engine_per_process,
@@ -67,6 +72,7 @@ from post_training_cookbook.grpo.validation import (
     resume_needs_run_name,
     setting,
     sharded_trainer_on_ray,
+    teacher_source,
     tensor_parallel_fits,
     transport_on_ray,
     type_problem,
@@ -186,6 +192,17 @@ class GRPOConfig:
     advantage_normalization: AdvantageNormalization = "mean_std"
     """``"mean_std"``: advantage = (reward − group mean) / group std. ``"mean"``: reward −
     group mean. Dr. GRPO uses ``"mean"``; set it with ``loss_type="dr_grpo"``."""
+    turn_rewards: TurnRewards = "final"
+    """``"final"``: an episode's tokens share one advantage, from its last step's reward
+    (the hosted guide's rule). ``"per_step"``: every step's reward counts, and each turn gets
+    an advantage of its own: its discounted return compared with the returns of the group's
+    episodes at the same turn (docs/losses.md, Turn-level rewards)."""
+    turn_discount: float = setting(
+        1.0, holds(lambda v: 0 <= v <= 1, IN_UNIT_INTERVAL), discount_needs_per_step
+    )
+    """γ of the per-step returns G_k = r_k + γ · G_(k+1), in [0, 1]; only with
+    ``turn_rewards="per_step"``. 1 credits a turn with every reward after it, 0 with its own
+    step's alone."""
     clip_low: float = 0.2
     """The ratio is clipped below at ``1 − clip_low``. CISPO ignores it."""
     clip_high: float = 0.2
@@ -227,6 +244,31 @@ class GRPOConfig:
     """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
     (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16
     halves frozen weights (the LoRA base); full-weight training holds the same bytes."""
+
+    # On-policy distillation (docs/losses.md, On-policy distillation)
+    teacher: str | None = setting(None, teacher_source)
+    """A teacher scores every token the student samples, in context; each token's advantage
+    gets distill_coef · (log π_teacher − log π_student). A catalog id, a folder, a run or a
+    checkpoint (sharing the student's tokenizer), or the ``http(s)://…/v1`` URL of an
+    OpenAI-compatible endpoint that returns ``prompt_logprobs`` (vLLM, our ``serve``). None:
+    no distillation."""
+    teacher_model: str | None = setting(None, only_when(endpoint_teacher, TEACHER_MODEL_RULE))
+    """The model name an endpoint teacher serves. None: the first its ``/v1/models`` lists."""
+    distill_coef: float = setting(1.0, positive, needs_teacher(1.0))
+    """Weight of the teacher's per-token advantage."""
+    distill_env_advantage: bool = setting(True, needs_teacher(True))
+    """Add the env's GRPO advantage to the teacher's. False: distillation alone (every group
+    trains, reward variance or not)."""
+    teacher_timeout_s: float = setting(60.0, positive)
+    """An endpoint teacher's request that takes longer fails (and is retried)."""
+    teacher_retries: int = setting(2, at_least(0), at_most(20, "each retry waits a timeout"))
+    """An endpoint teacher's failed request (timeout, 408, 409, 429, 5xx) is sent again up to
+    this many times; what still fails follows ``env_errors``."""
+    teacher_max_concurrency: int = setting(8, at_least(1))
+    """An endpoint teacher's requests in flight at once."""
+    teacher_sequences_per_call: int | None = setting(None, at_least(1, or_none=True))
+    """Samples scored per teacher call. None: the whole batch at once for a local teacher
+    (micro-batched as the student's), 8 a request for an endpoint."""
 
     # Async and scale-out
     max_steps_off_policy: int | None = setting(None, at_least(0, WHY_OFF_POLICY, or_none=True))

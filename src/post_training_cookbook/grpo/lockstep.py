@@ -24,11 +24,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from post_training_cookbook.distill.advantages import distill_batch
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.grpo.advantages import (
-    RewardShaping,
+    AdvantageSettings,
     TrainingBatch,
     build_training_batch,
     is_informative,
@@ -36,6 +37,7 @@ from post_training_cookbook.grpo.advantages import (
 from post_training_cookbook.grpo.data import TaskSource, task_stream
 from post_training_cookbook.grpo.runs import LoopState, Run
 from post_training_cookbook.grpo.settings import StepSettings, ValidationSettings
+from post_training_cookbook.grpo.turn_metrics import per_turn_metrics
 from post_training_cookbook.rollout import (
     EpisodeRunner,
     Group,
@@ -67,11 +69,13 @@ async def run_lockstep(
         check_rollouts_usable(collected.groups, f"step {step}", max_model_length)
         # 2. score
         batch = build_training_batch(collected.informative[: steps.batch_size], steps.advantages)
+        batch, distilled = await distill_phase(run, batch)
+        metrics |= distilled
         # 3. train
         metrics |= await train(run.service, batch, steps, step)
         # 4. record
         run.directory.dump_rollouts(step, collected.groups)
-        metrics |= rollout_metrics(collected.groups, steps.advantages.shaping)
+        metrics |= rollout_metrics(collected.groups, steps.advantages)
         metrics |= collected.metrics() | {
             "time/rollout": collect_s,
             "time/step": time.perf_counter() - started,
@@ -113,7 +117,6 @@ async def collect_groups(
     """Phase 1 with dynamic sampling: each of up to ``max_sampling_attempts`` rounds plays as
     many new tasks as the batch still lacks informative groups."""
     collected = CollectedGroups()
-    shaping = steps.advantages.shaping
     while collected.attempts < steps.max_sampling_attempts:
         missing = steps.batch_size - len(collected.informative)
         if missing <= 0:
@@ -124,8 +127,18 @@ async def collect_groups(
         tasks = [task for _, task in taken]
         groups = await play_groups(episodes, tasks, steps.episodes_per_task, params, seeds)
         collected.groups += groups
-        collected.informative += [group for group in groups if is_informative(group, shaping)]
+        collected.informative += [
+            group for group in groups if is_informative(group, steps.advantages)
+        ]
     return collected
+
+
+async def distill_phase(run: Run, batch: TrainingBatch) -> tuple[TrainingBatch, dict[str, float]]:
+    """Phase 2b, with a teacher: its per-token advantages added to the batch's."""
+    distill = run.settings.steps.distill
+    if run.teacher is None or distill is None:
+        return batch, {}
+    return await distill_batch(batch, run.teacher, run.service, distill)
 
 
 async def train(
@@ -152,12 +165,14 @@ async def train(
     }
 
 
-def rollout_metrics(groups: Sequence[Group], shaping: RewardShaping) -> dict[str, float]:
-    """The step's episode metrics, reward variance judged as the skip judges it; the same
-    per env of a mixture (``rollout/<env>/…``)."""
-    reward_of = shaping.shaped_reward
-    return episode_metrics(groups, reward_of=reward_of) | per_env_metrics(
-        groups, "rollout/", reward_of
+def rollout_metrics(groups: Sequence[Group], settings: AdvantageSettings) -> dict[str, float]:
+    """The step's episode metrics, reward variance judged on the shaped reward; the same
+    per env of a mixture (``rollout/<env>/…``), and per turn index (``rollout/turn_<k>/…``)."""
+    reward_of = settings.shaping.shaped_reward
+    return (
+        episode_metrics(groups, reward_of=reward_of)
+        | per_env_metrics(groups, "rollout/", reward_of)
+        | per_turn_metrics(groups, settings)
     )
 
 

@@ -54,6 +54,7 @@ from post_training_cookbook.rollout import EpisodeRunner, Group, episode_record
 from post_training_cookbook.service.base import ModelService
 
 if TYPE_CHECKING:
+    from post_training_cookbook.distill.teacher import Teacher
     from post_training_cookbook.grpo.reporting import RunLog
     from post_training_cookbook.grpo.settings import RunSettings
 
@@ -96,6 +97,8 @@ class Run:
     log: RunLog
     resumed: LoopState | None
     """The loop state of the checkpoint the run resumes from."""
+    teacher: Teacher | None = None
+    """On-policy distillation's teacher (``settings.teacher``), opened with the run."""
 
     @property
     def start_step(self) -> int:

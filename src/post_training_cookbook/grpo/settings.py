@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from post_training_cookbook.distill.advantages import DistillSettings
+from post_training_cookbook.distill.teacher import ScoringSettings, TeacherSpec, is_endpoint
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
 from post_training_cookbook.grpo.config import GRPOConfig, LRSchedule
@@ -62,6 +64,8 @@ class StepSettings:
     loss: LossConfig
     learning_rate: LearningRateSchedule
     weight_sync_type: WeightSyncType
+    distill: DistillSettings | None = None
+    """On-policy distillation's phase (None: no teacher)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,8 @@ class RunSettings:
     """The codec options the run sets (``enable_thinking`` ...), checked against the codec."""
     async_: AsyncSettings | None
     """None: lockstep."""
+    teacher: TeacherSpec | None = None
+    """The teacher to open (None: no distillation)."""
 
     @classmethod
     def from_config(cls, config: GRPOConfig, model: ModelInfo) -> RunSettings:
@@ -127,13 +133,19 @@ class RunSettings:
             max_sampling_attempts=config.max_sampling_attempts,
             seed=config.seed,
             advantages=AdvantageSettings(
-                shaping, config.advantage_normalization, config.overlong_masking
+                shaping,
+                config.advantage_normalization,
+                config.overlong_masking,
+                config.turn_rewards,
+                config.turn_discount,
+                env_advantage=config.teacher is None or config.distill_env_advantage,
             ),
             loss=loss_config_of(config),
             learning_rate=LearningRateSchedule(
                 config.learning_rate, config.num_steps, config.warmup_steps, config.lr_schedule
             ),
             weight_sync_type=config.weight_sync_type,
+            distill=_distill(config),
         )
         engine = config.generation_engine
         if engine == "auto":
@@ -201,7 +213,52 @@ class RunSettings:
             ),
             codec_options=_codec_options(config, model),
             async_=async_settings,
+            teacher=_teacher(config),
         )
+
+
+def _distill(config: GRPOConfig) -> DistillSettings | None:
+    if config.teacher is None:
+        return None
+    per_call = config.teacher_sequences_per_call
+    if per_call is None and is_endpoint(config.teacher):
+        per_call = ENDPOINT_SEQUENCES_PER_CALL
+    return DistillSettings(
+        coef=config.distill_coef,
+        env_advantage=config.distill_env_advantage,
+        env_errors=config.env_errors,
+        sequences_per_call=per_call,
+    )
+
+
+def _teacher(config: GRPOConfig) -> TeacherSpec | None:
+    if config.teacher is None:
+        return None
+    return TeacherSpec(
+        source=config.teacher,
+        scoring=ScoringSettings(
+            micro_batch_tokens=config.micro_batch_tokens,
+            logprob_chunk_tokens=config.logprob_chunk_tokens,
+            device="cpu" if config.device == "auto" and not _has_cuda() else _device(config),
+        ),
+        endpoint_model=config.teacher_model,
+        timeout_s=config.teacher_timeout_s,
+        retries=config.teacher_retries,
+        max_concurrency=config.teacher_max_concurrency,
+    )
+
+
+def _device(config: GRPOConfig) -> str:
+    return "cuda" if config.device == "auto" else config.device
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+ENDPOINT_SEQUENCES_PER_CALL = 8
 
 
 def _codec_options(config: GRPOConfig, model: ModelInfo) -> dict[str, object]:

@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
+from post_training_cookbook.distill.teacher import Teacher, check_same_tokenizer, open_teacher
 from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.envs.single_turn import SingleTurnEnv
@@ -108,6 +109,8 @@ def _checked(
     settings = RunSettings.from_config(config, info)  # checks the codec options too
     require_engine_support(info, settings.service.generation_engine)
     check_service_spec(settings.service)
+    if settings.teacher is not None and not settings.teacher.is_endpoint:
+        check_same_tokenizer(info, settings.teacher.source)  # before any weights load
     return config, settings
 
 
@@ -171,6 +174,10 @@ async def open_run(
         if service is None:
             service = await open_service(settings.service)
             opened.push_async_callback(service.close)
+        teacher: Teacher | None = None
+        if settings.teacher is not None:
+            teacher = await open_teacher(settings.teacher, student=model.model_id)
+            opened.push_async_callback(teacher.close)
         resumed: LoopState | None = None
         notes: list[str] = []
         if config.resume:
@@ -197,4 +204,5 @@ async def open_run(
             directory=directory,
             log=RunLog(directory, wandb, progress),
             resumed=resumed,
+            teacher=teacher,
         )

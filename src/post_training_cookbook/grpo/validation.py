@@ -134,6 +134,7 @@ WHY_GROUP = (
 WHY_OFF_POLICY = "None keeps lockstep; 0 admits only groups started under the current policy"
 IN_0_1 = "{name} must be in [0, 1), got {value}"
 IN_0_1_CLOSED = "{name} must be in (0, 1] or None, got {value}"
+IN_UNIT_INTERVAL = "{name} must be in [0, 1], got {value}"
 TOP_P = "{name} must be in [1e-6, 1], got {value}; 1 turns it off"
 FITS_CONTEXT = ": lower max_tokens_per_turn or raise max_model_length"
 BUFFER_ADVICE = "; 0 turns the soft penalty off"
@@ -173,6 +174,40 @@ def only_with_dr_grpo(config: GRPOConfig, name: str, value: Any) -> str | None:
         f"dr_grpo_horizon is used only by loss_type='dr_grpo' (got loss_type="
         f"{config.loss_type!r}): set loss_type='dr_grpo' or dr_grpo_horizon=None"
     )
+
+
+def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value == 1.0 or config.turn_rewards == "per_step":
+        return None
+    return (
+        f"turn_discount={value} discounts per-step returns, used only by "
+        f"turn_rewards='per_step' (got turn_rewards={config.turn_rewards!r}): set "
+        "turn_rewards='per_step' or leave turn_discount=1.0"
+    )
+
+
+TEACHER_MODEL_RULE = "teacher_model names an endpoint teacher's model: set teacher to its URL"
+
+
+def endpoint_teacher(config: GRPOConfig) -> bool:
+    return config.teacher is not None and config.teacher.startswith(("http://", "https://"))
+
+
+def teacher_source(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value is None or not value.startswith("http") or endpoint_teacher(config):
+        return None
+    return f"teacher={value!r} looks like a URL: write it as http(s)://host:port/v1"
+
+
+def needs_teacher(default: Any) -> Rule:
+    """A distillation setting other than its default needs a teacher."""
+
+    def rule(config: Any, name: str, value: Any) -> str | None:
+        if value == default or config.teacher is not None:
+            return None
+        return f"{name}={value!r} applies to on-policy distillation: set teacher too"
+
+    return rule
 
 
 def deferred_sync_needs_async(config: GRPOConfig, name: str, value: Any) -> str | None:

@@ -108,6 +108,7 @@ class ChatDriver:
             episode.length_capped_turns += turn.finish_reason == "length"
             if turn.message is None:
                 episode.reward = limits.failed_parse_reward
+                episode.turn_rewards.append(limits.failed_parse_reward)
                 episode.truncation = TruncationCause.PARSE_FAILURE
                 break
             added = await step_env(episode, env, turn.message, conversation, limits)

@@ -12,7 +12,9 @@ How an episode ends (``Episode.truncation``):
   codec closes it): it is a parse failure only if it does not parse.
 
 Reward and metrics come from the step that ends the episode; when the loop ends it, from the
-env's last step (usually 0.0 and no metrics). ``close()`` runs on every path.
+env's last step (usually 0.0 and no metrics). Every step's reward is kept too, one per turn
+(``Episode.turn_rewards``), with the turn each token belongs to (``token_turns``), for
+``turn_rewards="per_step"`` training. ``close()`` runs on every path.
 
 A group is ``num_episodes`` episodes of one task played concurrently; the engine batches the
 turns of every episode in flight, so groups are played concurrently too.
@@ -259,6 +261,7 @@ class TokenDriver:
             parsed = codec.parse(sampled.tokens, tools)  # the schemas type the arguments
             if parsed.message is None:
                 episode.reward = limits.failed_parse_reward
+                episode.turn_rewards.append(limits.failed_parse_reward)
                 episode.truncation = TruncationCause.PARSE_FAILURE
                 return
             added = await step_env(episode, env, parsed.message, conversation, limits)
@@ -310,6 +313,7 @@ async def step_env(
     check_env_history(env_property(env, "messages"), returned)
     episode.messages = list(returned)
     episode.reward = float(result.reward)
+    episode.turn_rewards.append(episode.reward)
     episode.metrics = {key: float(value) for key, value in result.metrics.items()}
     if result.terminated or result.truncated:
         episode.truncation = None if result.terminated else TruncationCause.ENV

@@ -35,6 +35,8 @@ def episode_record(episode: Episode) -> dict[str, Any]:
         "mask": [int(bit) for bit in episode.mask],
         "versions": episode.versions,
         "segment_starts": episode.segment_starts,
+        "turn_rewards": episode.turn_rewards,
+        "token_turns": episode.token_turns,
         "endpoint_usage": asdict(episode.endpoint_usage) if episode.endpoint_usage else None,
     }
 

@@ -164,6 +164,14 @@ class Episode:
     unless an external agent rewrote its history between calls (``agents/``)."""
     endpoint_usage: EndpointUsage | None = None
     """A hosted model's own token counts; its episode holds no tokens of ours."""
+    turn_rewards: list[float] = field(default_factory=list)
+    """Per assistant turn, in order: the reward of the env step that answered it
+    (``failed_parse_reward`` for a turn that did not parse, an agent's per-call reward). A
+    turn the env never answered (cut for context, an env error) has none here; see
+    ``rewards_by_turn``. ``reward`` stays the last step's, as the hosted guide reads it."""
+    token_turns: list[int] = field(default_factory=list)
+    """Per token: the assistant turn (counted from 0) that sampled it; -1 on forced tokens.
+    Empty for a hosted model's episode, which holds no tokens of ours."""
 
     @property
     def env_retries(self) -> int:
@@ -187,6 +195,12 @@ class Episode:
         bounds = [*self.segment_starts, len(self.tokens)]
         return [slice(start, end) for start, end in itertools.pairwise(bounds) if end > start]
 
+    def rewards_by_turn(self) -> list[float]:
+        """One reward per assistant turn: ``turn_rewards``, 0.0 for the turns no step
+        answered."""
+        missing = max(0, self.num_turns - len(self.turn_rewards))
+        return [*self.turn_rewards[: self.num_turns], *[0.0] * missing]
+
     @property
     def context_tokens(self) -> int:
         """The longest sequence the episode put in the model's context."""
@@ -197,12 +211,16 @@ class Episode:
         self.mask += [0.0] * len(tokens)
         self.sampler_logprobs += [0.0] * len(tokens)
         self.versions += [-1] * len(tokens)
+        self.token_turns += [-1] * len(tokens)
 
-    def add_sampled(self, sequence: SampledSequence) -> None:
+    def add_sampled(self, sequence: SampledSequence, turn: int | None = None) -> None:
+        """Append a turn's sampled tokens; ``turn`` defaults to the turn being played (the
+        next one, ``num_turns``)."""
         self.tokens += sequence.tokens
         self.mask += [1.0] * len(sequence.tokens)
         self.sampler_logprobs += sequence.logprobs
         self.versions += token_versions(sequence)
+        self.token_turns += [self.num_turns if turn is None else turn] * len(sequence.tokens)
 
 
 def token_versions(sequence: SampledSequence) -> list[int]:

@@ -3,6 +3,7 @@
 Routes (every answer JSON; errors in the API's format with their status codes):
 
     POST /v1/chat/completions                     the served model (``serve``)
+    POST /v1/completions                          prompt log-probabilities (``prompt_scores``)
     GET  /v1/models                               its name
     POST /episodes/<id>/v1/chat/completions       one episode of the agent adapter
     GET  /episodes/<id>/v1/models
@@ -36,6 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from post_training_cookbook.serve.policy import Endpoint
+from post_training_cookbook.serve.prompt_scores import parse_prompt_score_request, score_prompts
 from post_training_cookbook.serve.wire import (
     ApiError,
     ChatRequest,
@@ -86,6 +88,9 @@ def build_app(routes: Routes) -> Starlette:
     async def completions(request: Request) -> JSONResponse:
         return await _answer(request, routes, lambda: _default(routes, request))
 
+    async def prompt_scores(request: Request) -> JSONResponse:
+        return await _answer(request, routes, lambda: _default(routes, request), scores=True)
+
     async def episode_completions(request: Request) -> JSONResponse:
         return await _answer(request, routes, lambda: _episode(routes, request))
 
@@ -114,6 +119,7 @@ def build_app(routes: Routes) -> Starlette:
     return Starlette(
         routes=[
             Route("/v1/chat/completions", completions, methods=["POST"]),
+            Route("/v1/completions", prompt_scores, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/episodes/{episode}/v1/chat/completions", episode_completions, methods=["POST"]),
             Route("/episodes/{episode}/v1/models", episode_models, methods=["GET"]),
@@ -123,7 +129,9 @@ def build_app(routes: Routes) -> Starlette:
     )
 
 
-async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
+async def _answer(
+    request: Request, routes: Routes, find: Any, *, scores: bool = False
+) -> JSONResponse:
     try:
         endpoint: Endpoint = find()  # the key first: without it, nothing is read or held
         limits = routes.limits
@@ -145,6 +153,11 @@ async def _answer(request: Request, routes: Routes, find: Any) -> JSONResponse:
             )
         routes.in_flight += 1
         try:
+            if scores:
+                vocab = len(endpoint.model.codec.tokenizer)
+                body = await asyncio.to_thread(decode_json, raw)
+                asked = await asyncio.to_thread(parse_prompt_score_request, body, vocab)
+                return JSONResponse(await score_prompts(endpoint.model, asked))
             # off the event loop: a 4 MB body takes a while to decode and check
             chat = await asyncio.to_thread(_parsed, raw, limits.max_n)
             return JSONResponse(await endpoint.complete(chat))

@@ -1,5 +1,7 @@
 """What to serve: a catalog model, a local folder or a run's weights, as ``evaluate`` loads them
-(a run's checkpoint on its base model, with the base model's codec)."""
+(a run's checkpoint on its base model, with the base model's codec). The engine samples with
+a copy of the weights; the weights themselves score prompts (``/v1/completions`` with
+``prompt_logprobs``) through the trainer's forward, so a server holds them twice."""
 
 from __future__ import annotations
 
@@ -32,22 +34,28 @@ def load_served_model(
     memory, ``engine/prefix_cache.py``)."""
     import torch
 
+    from post_training_cookbook.distill.teacher import LocalTeacher
     from post_training_cookbook.engine.local import LocalEngine
     from post_training_cookbook.evaluation.models import load_eval_weights, resolve_eval_model
     from post_training_cookbook.models.catalog import check_model_can_sample
     from post_training_cookbook.models.loading import load_codec
+    from post_training_cookbook.trainer.trainer import Trainer
 
     model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
     length = max_model_length or min(model.info.max_context, 32768)
     check_model_can_sample(model.info, length)
     loaded_codec = load_codec(model.tokenizer_info)
-    engine = LocalEngine(
-        load_eval_weights(model),
+    weights = load_eval_weights(model)
+    engine = LocalEngine(  # a copy of its own: ``weights`` stay the scorer's
+        weights,
         dtype=getattr(torch, dtype or model.dtype),
         max_batch_size=max_batch_size,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    served = ServedModel(name or model.name, loaded_codec, engine, length, default_max_tokens)
+    scorer = LocalTeacher(name or model.name, Trainer(weights, use_lora=False, device="cpu"))
+    served = ServedModel(
+        name or model.name, loaded_codec, engine, length, default_max_tokens, scorer
+    )
     return served, engine
 
 

@@ -32,6 +32,7 @@ from post_training_cookbook.types import Message
 
 if TYPE_CHECKING:
     from post_training_cookbook.codecs import Codec
+    from post_training_cookbook.distill.teacher import Teacher
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -46,6 +47,8 @@ class ServedModel:
     max_model_length: int
     default_max_tokens: int = 256
     """``max_tokens`` of a request that names none."""
+    scorer: Teacher | None = None
+    """Scores prompts for ``/v1/completions`` (``prompt_scores.py``); None: not served."""
 
 
 @dataclass

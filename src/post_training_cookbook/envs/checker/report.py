@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Level = Literal["error", "warning"]
+Level = Literal["error", "warning", "note"]
 
 
 class EnvCheckError(AssertionError):
@@ -20,6 +20,13 @@ class EnvCheckError(AssertionError):
         self.report = report
 
 
+INTERMEDIATE_REWARD_NOTE = (
+    "a step that did not end the episode gave a reward: the env has intermediate rewards. "
+    "turn_rewards='final' (the default) reads only the last step's reward and ignores them; "
+    "turn_rewards='per_step' trains each turn on its discounted return"
+)
+
+
 @dataclass
 class EnvCheckReport:
     """What ``check_env`` found; each line reads ``[where]: what went wrong and what to do``."""
@@ -28,7 +35,15 @@ class EnvCheckReport:
     """Contract violations that break or corrupt a training run."""
     warnings: list[str] = field(default_factory=list)
     """Departures from the cookbook's conventions that a training run survives."""
+    notes: list[str] = field(default_factory=list)
+    """What is worth knowing about the env and is no fault, such as rewards on steps that
+    did not end the episode (which only ``turn_rewards="per_step"`` trains on)."""
     episodes_run: int = 0
+
+    @property
+    def gives_intermediate_rewards(self) -> bool:
+        """Whether a step that did not end its episode gave a reward other than 0."""
+        return any(note.endswith(INTERMEDIATE_REWARD_NOTE) for note in self.notes)
 
     @property
     def ok(self) -> bool:
@@ -37,9 +52,12 @@ class EnvCheckReport:
 
     def __str__(self) -> str:
         counts = f"{_plural(len(self.errors), 'error')}, {_plural(len(self.warnings), 'warning')}"
+        if self.notes:
+            counts += f", {_plural(len(self.notes), 'note')}"
         lines = [f"check_env: {counts} in {_plural(self.episodes_run, 'episode')}"]
         lines += [f"  ERROR {error}" for error in self.errors]
         lines += [f"  WARNING {warning}" for warning in self.warnings]
+        lines += [f"  NOTE {note}" for note in self.notes]
         return "\n".join(lines)
 
     def raise_if_failed(self) -> None:
@@ -70,7 +88,9 @@ class _Findings:
     def report(self, task_count: int, episodes_run: int) -> EnvCheckReport:
         report = EnvCheckReport(episodes_run=episodes_run)
         for (level, text), places in self._places.items():
-            lines = report.errors if level == "error" else report.warnings
+            lines = {"error": report.errors, "warning": report.warnings, "note": report.notes}[
+                level
+            ]
             lines.append(f"[{_location(places, task_count)}]: {text}")
         return report
 
@@ -87,6 +107,9 @@ class _Recorder:
 
     def warn(self, where: str, text: str) -> None:
         self.findings.add("warning", where, text, self.task_index)
+
+    def note(self, where: str, text: str) -> None:
+        self.findings.add("note", where, text, self.task_index)
 
 
 def _location(places: _Places, task_count: int) -> str:

@@ -16,8 +16,14 @@ from post_training_cookbook.envs.checker.checks import (
     _check_returns_copy,
     _check_tool_specs,
     _difference,
+    _number_problem,
 )
-from post_training_cookbook.envs.checker.report import EnvCheckReport, _Findings, _Recorder
+from post_training_cookbook.envs.checker.report import (
+    INTERMEDIATE_REWARD_NOTE,
+    EnvCheckReport,
+    _Findings,
+    _Recorder,
+)
 from post_training_cookbook.envs.checker.scripts import _SCRIPTS, _ScriptContext
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.stretches import with_longest_stretch
@@ -282,6 +288,8 @@ class _Episode:
         if history is None:
             return False
         _check_history(self._record, where, before, message, result, history, ended)
+        if not ended and _number_problem(result.reward) is None and result.reward != 0:
+            self._record.note(where, INTERMEDIATE_REWARD_NOTE)
         if not has_calls and not ended:
             self._record.warn(
                 where,

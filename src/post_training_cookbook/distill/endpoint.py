@@ -1,0 +1,132 @@
+"""A teacher behind an OpenAI-compatible endpoint that returns prompt log-probabilities.
+
+One ``POST <base_url>/completions`` scores a chunk of the student's sequences, as token ids:
+
+    {"model": ..., "prompt": [[ids...], ...], "max_tokens": 1, "temperature": 0,
+     "prompt_logprobs": 0}
+
+and each choice (by ``index``) holds ``prompt_logprobs``: per prompt token, ``null`` for the
+first, then ``{"<token id>": {"logprob": ...}, ...}`` with the prompt's own token among the
+keys (vLLM's format; ``post-training-cookbook serve`` answers the same). A choice whose
+entries do not name the student's own token ids is another tokenizer's: refused, naming both.
+
+Requests run ``max_concurrency`` at a time, each under ``timeout_s``, and a failure worth
+another try (a timeout, a dropped connection, 408, 409, 429, 5xx: ``endpoints.py``'s rule) is
+retried up to ``retries`` times with a short backoff. What still fails raises
+``TeacherCallError``; the loop applies ``env_errors`` to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from post_training_cookbook.distill.teacher import TeacherCallError, TeacherError
+from post_training_cookbook.openai_api import RETRIED_STATUSES
+from post_training_cookbook.trainer.types import TrainingSample
+
+
+class EndpointTeacher:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        retries: int = 2,
+        max_concurrency: int = 8,
+        student: str = "the student",
+    ) -> None:
+        self.name = base_url
+        self._base_url = base_url.rstrip("/")
+        self._model = model
+        self._student = student
+        self._retries = retries
+        self._slots = asyncio.Semaphore(max_concurrency)
+        import httpx  # the openai extra's; only an endpoint teacher needs it
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers=headers)
+
+    async def score(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
+        """One request for ``samples`` (the loop sends ``teacher_sequences_per_call`` at a
+        time, concurrently)."""
+        model = self._model or await self._first_model()
+        return await self._score_chunk(model, list(samples))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _first_model(self) -> str:
+        body = await self._call("GET", "/models", None)
+        try:
+            self._model = str(body["data"][0]["id"])
+        except (KeyError, IndexError, TypeError) as exc:
+            raise TeacherError(f"{self.name}/models names no model: set teacher_model") from exc
+        return self._model
+
+    async def _score_chunk(self, model: str, samples: list[TrainingSample]) -> list[list[float]]:
+        request = {
+            "model": model,
+            "prompt": [sample.tokens for sample in samples],
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        body = await self._call("POST", "/completions", request)
+        choices = sorted(body.get("choices") or [], key=lambda choice: choice.get("index", 0))
+        if len(choices) != len(samples):
+            raise TeacherCallError(
+                f"{self.name} answered {len(choices)} choices for {len(samples)} prompts"
+            )
+        return [
+            self._logprobs(sample, choice.get("prompt_logprobs"))
+            for sample, choice in zip(samples, choices, strict=True)
+        ]
+
+    def _logprobs(self, sample: TrainingSample, entries: Any) -> list[float]:
+        if not isinstance(entries, list) or len(entries) != len(sample.tokens):
+            got = len(entries) if isinstance(entries, list) else type(entries).__name__
+            raise TeacherCallError(
+                f"{self.name} returned {got} prompt_logprobs for {len(sample.tokens)} prompt "
+                "tokens: it must support prompt_logprobs on token-id prompts (vLLM does)"
+            )
+        values = [0.0] * len(sample.tokens)
+        for position, (token, mask) in enumerate(zip(sample.tokens, sample.mask, strict=True)):
+            if not mask:
+                continue
+            entry = entries[position] or {}
+            found = entry.get(str(token))
+            if found is None:
+                raise TeacherError(
+                    f"teacher {self.name} does not score token id {token} at position "
+                    f"{position} (it returned ids {sorted(entry)[:5]}): it tokenizes otherwise "
+                    f"than {self._student}; a teacher needs the student's tokenizer"
+                )
+            value = float(found["logprob"] if isinstance(found, dict) else found)
+            values[position] = value if math.isfinite(value) else -1e4
+        return values
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        import httpx
+
+        attempt = 0
+        while True:
+            try:
+                async with self._slots:
+                    response = await self._client.request(method, self._base_url + path, json=body)
+                if response.status_code == 200:
+                    return response.json()
+                retried = response.status_code in RETRIED_STATUSES or response.status_code >= 500
+                failure = f"HTTP {response.status_code}: {response.text[:300]}"
+            except (httpx.TimeoutException, httpx.TransportError) as exc:
+                retried, failure = True, f"{type(exc).__name__}: {exc}"
+            if not retried or attempt >= self._retries:
+                raise TeacherCallError(
+                    f"teacher {self.name}{path} failed after {attempt + 1} attempts: {failure}"
+                )
+            attempt += 1
+            await asyncio.sleep(min(2.0, 0.1 * 2**attempt))

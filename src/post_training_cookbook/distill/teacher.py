@@ -1,0 +1,165 @@
+"""The teacher of on-policy distillation: what it answers, and the local one.
+
+A teacher takes the student's training samples (whole episodes: prompts, tool results and
+sampled tokens alike) and returns, for each, ``log p_teacher(tokens[t] | tokens[:t])`` at
+the sampled positions (``mask`` 1), 0.0 elsewhere: tool results and template glue are
+context, never scored.
+
+The local teacher is a catalog model, a Hugging Face folder, a run directory or a training
+checkpoint (what ``evaluate`` loads), scored by the trainer's own forward (``Trainer.forward``)
+in a worker thread, micro-batched like the student's. So a teacher equal to the student
+gives the student's log-probabilities to the bit, and a zero advantage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from post_training_cookbook.trainer.types import TrainingSample
+
+if TYPE_CHECKING:
+    from post_training_cookbook.models.catalog import ModelInfo
+    from post_training_cookbook.trainer.trainer import Trainer
+
+
+class TeacherError(RuntimeError):
+    """The teacher failed (after its retries) under ``env_errors="raise"``, or answered in a
+    way that shows it is not fit to teach (another tokenizer)."""
+
+
+class TeacherCallError(RuntimeError):
+    """A teacher call that failed after its retries: the step survives it unless
+    ``env_errors="raise"``."""
+
+
+class Teacher(Protocol):
+    name: str
+
+    async def score(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
+        """Per sample, the log-probability of each sampled token given the ones before it
+        (one value per token; 0.0 where ``mask`` is 0)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+def is_endpoint(source: str) -> bool:
+    return source.startswith(("http://", "https://"))
+
+
+def teacher_model_info(source: str) -> ModelInfo:
+    """The catalog entry of a local teacher (a run or checkpoint: its base model's), from
+    metadata alone."""
+    from post_training_cookbook.evaluation.models import resolve_eval_model
+
+    return resolve_eval_model(source).tokenizer_info
+
+
+def check_same_tokenizer(student: ModelInfo, teacher_source: str) -> None:
+    """Refuse a local teacher whose tokenizer is not the student's, naming both, before any
+    weights load: its log-probabilities would be of other tokens."""
+    from post_training_cookbook.models.loading import load_tokenizer
+
+    teacher = teacher_model_info(teacher_source)
+    ours, theirs = load_tokenizer(student), load_tokenizer(teacher)
+    if _tokenizer_identity(ours) != _tokenizer_identity(theirs):
+        raise ValueError(
+            f"teacher {teacher_source!r} ({teacher.source}) and student {student.model_id!r} "
+            f"({student.source}) do not share a tokenizer ({len(theirs)} and {len(ours)} "
+            "tokens, or other ids): a teacher scores the student's tokens, so it needs the "
+            "student's tokenizer"
+        )
+
+
+def _tokenizer_identity(tokenizer: Any) -> tuple[Any, ...]:
+    return (sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, len(tokenizer))
+
+
+@dataclass(frozen=True)
+class ScoringSettings:
+    """How the local teacher batches: as the student's trainer does, so that a teacher
+    equal to the student computes the same numbers."""
+
+    micro_batch_tokens: int = 8192
+    logprob_chunk_tokens: int | None = 1024
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """Which teacher a run opens, and how it calls it (``GRPOConfig``'s teacher fields)."""
+
+    source: str
+    """A catalog id, a folder, a run or a checkpoint; or an endpoint's ``http(s)://`` URL."""
+    scoring: ScoringSettings = ScoringSettings()
+    endpoint_model: str | None = None
+    timeout_s: float = 60.0
+    retries: int = 2
+    max_concurrency: int = 8
+
+    @property
+    def is_endpoint(self) -> bool:
+        return is_endpoint(self.source)
+
+
+class LocalTeacher:
+    """A model of ours as teacher: its weights in a trainer of their own, forward only."""
+
+    def __init__(self, source: str, trainer: Trainer) -> None:
+        self.name = source
+        self._trainer = trainer
+        self._lock = threading.Lock()  # one forward at a time on the one model
+
+    @classmethod
+    def load(cls, source: str, scoring: ScoringSettings) -> LocalTeacher:
+        from post_training_cookbook.evaluation.models import load_eval_weights, resolve_eval_model
+        from post_training_cookbook.trainer.trainer import Trainer
+
+        weights = load_eval_weights(resolve_eval_model(source))
+        trainer = Trainer(
+            weights,
+            use_lora=False,  # autocast_bf16 as the student's trainer decides it
+            micro_batch_tokens=scoring.micro_batch_tokens,
+            logprob_chunk_tokens=scoring.logprob_chunk_tokens,
+            device=scoring.device,
+        )
+        return cls(source, trainer)
+
+    async def score(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
+        return await asyncio.to_thread(self._score, list(samples))
+
+    def _score(self, samples: list[TrainingSample]) -> list[list[float]]:
+        import torch
+
+        with self._lock, torch.inference_mode():
+            return self._trainer.forward(samples)
+
+    async def close(self) -> None:
+        self._trainer.close()
+
+
+async def open_teacher(spec: TeacherSpec, student: str) -> Teacher:
+    """The run's teacher: an endpoint for an ``http(s)://`` URL, else a local model."""
+    if spec.is_endpoint:
+        from post_training_cookbook.distill.endpoint import EndpointTeacher
+
+        return EndpointTeacher(
+            spec.source,
+            model=spec.endpoint_model,
+            api_key=os.environ.get(TEACHER_API_KEY_ENV),
+            timeout_s=spec.timeout_s,
+            retries=spec.retries,
+            max_concurrency=spec.max_concurrency,
+            student=student,
+        )
+    return await asyncio.to_thread(LocalTeacher.load, spec.source, spec.scoring)
+
+
+TEACHER_API_KEY_ENV = "TEACHER_API_KEY"
+"""The environment variable an endpoint teacher's bearer token is read from (never the
+config, which the run folder keeps)."""
