@@ -16,7 +16,9 @@ from a plain HF training step, and why:
   chunk, and bf16 weights with fp32 optimizer state (``precision.py``).
 - On CPU, attention over short rows is plain matmul + softmax instead of SDPA, whose
   backward is slower there (``attention.py``).
-- Micro-batches group rows of similar length (``batching.py``), so padding stays small.
+- Micro-batches are packed token streams without padding, with each shared prefix (a
+  group's prompt) forwarded once (``packing.py``); where that is not exact for a model,
+  rows of similar length (``batching.py``), so padding stays small.
 - Each micro-batch's loss is already its share of the whole batch's loss, so gradients do
   not depend on how the batch was split (see ``losses.BatchTotals``).
 - A non-finite loss or gradient turns ``optim_step`` into a reported no-op.
@@ -57,6 +59,11 @@ from post_training_cookbook.trainer.logprobs import (
     micro_batches,
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
+from post_training_cookbook.trainer.packing import (
+    PackingMode,
+    choose_packing,
+    packed_micro_batches,
+)
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
     Precision,
@@ -102,6 +109,8 @@ class Trainer:
         logprob_chunk_tokens: int | None = 1024,
         precision: Precision = "fp32",
         reference_model: bool = False,
+        packing: bool = True,
+        shared_prefix: bool = True,
         seed: int | None = None,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
@@ -126,6 +135,10 @@ class Trainer:
         path's) is saved with inference checkpoints. ``forward_backward`` runs in train mode
         (LoRA dropout applies), ``forward`` in eval mode. ``group``: this process is one
         rank of a sharded trainer (``sharded.py``); it joins the group before loading.
+        ``packing``: each micro-batch is one token stream without padding, and with
+        ``shared_prefix`` a prefix shared by samples is forwarded once (``packing.py``; on
+        only for models where it is exact, and not yet on a sharded trainer);
+        ``micro_batch_tokens`` then bounds a stream's tokens.
         """
         check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
         if seed is not None:
@@ -137,6 +150,9 @@ class Trainer:
         base = load_causal_lm(model_path_or_model, dtype)
         cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
         attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
+        self.packing_mode: PackingMode = (
+            choose_packing(base, packing, shared_prefix) if group is None else "off"
+        )
         if tokenizer is None:
             tokenizer = load_tokenizer_if_any(model_path_or_model)
         self.tokenizer = tokenizer
@@ -395,6 +411,10 @@ class Trainer:
             return cast(Tensor, self._scorer(batch)[0])
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
+        if self.packing_mode != "off":
+            return packed_micro_batches(
+                samples, self.micro_batch_tokens, self.device, self.packing_mode
+            )
         if self._shards is not None:
             return self._shards.micro_batches(samples, self.micro_batch_tokens, self.device)
         return micro_batches(samples, self.micro_batch_tokens, self.device)

@@ -126,6 +126,10 @@ class TrainerSettings:
     precision: Precision = "fp32"
     reference_model: bool = False
     """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
+    packing: bool = True
+    """Micro-batches as token streams without padding (``trainer/packing.py``), where exact."""
+    shared_prefix: bool = True
+    """With packing, forward each prefix that samples share once (a group's prompt)."""
     autocast_bf16: bool | None = None
     """None: bf16 autocast where the hardware makes it fast."""
     seed: int | None = None
