@@ -299,6 +299,7 @@ def non_default_config() -> GRPOConfig:
         micro_batch_tokens=16384,
         gradient_checkpointing=True,
         logprob_chunk_tokens=None,
+        trainer_packing="packed",
         trainer_precision="bf16",
         max_steps_off_policy=2,
         groups_in_flight=6,

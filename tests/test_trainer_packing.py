@@ -43,7 +43,7 @@ def group_samples(seed: int = 0) -> list[TrainingSample]:
     prompt = tokens(14)
     turn = tokens(5)
     first = [prompt + turn + tokens(6), prompt + turn + tokens(3), prompt + tokens(9)]
-    episodes += [(t, len(prompt)) for t in first + [list(first[0])]]
+    episodes += [(t, len(prompt)) for t in [*first, list(first[0])]]
     prompt = tokens(9)
     episodes += [(prompt + tokens(rng.randint(3, 10)), len(prompt)) for _ in range(3)]
     start = tokens(1)
@@ -130,20 +130,26 @@ def test_packed_and_shared_prefix_equal_the_plain_path_in_fp32(
 ) -> None:
     model, samples = tiny_model(family), group_samples()
     loss = LossConfig(loss_type="grpo", kl_beta=0.05, tis_cap=2.0)
-    adapter = warmed_adapter(model) if use_lora else None
+    start = warmed_adapter(model) if use_lora else moved_weights(model)
+    options = {
+        "gradient_checkpointing": checkpointing, "micro_batch_tokens": budget,
+        "reference_model": True, "logprob_chunk_tokens": 16,
+    }  # fmt: skip
     results = [
-        run(
-            make_trainer(
-                model, use_lora, mode, gradient_checkpointing=checkpointing,
-                micro_batch_tokens=budget, reference_model=True, logprob_chunk_tokens=16,
-            ),
-            samples, loss, adapter,
-        )  # fmt: skip
-        for mode in MODES
+        run(make_trainer(model, use_lora, m, **options), samples, loss, start) for m in MODES
     ]
-    assert results[0][1]["loss/kl_ref"] > 0 if use_lora else True  # the reference is used
+    assert results[0][1]["loss/kl_ref"] > 1e-6  # the policy has moved from the reference
     for other in results[1:]:
         assert_same(results[0], other, rtol=1e-5, atol=1e-6)
+
+
+def moved_weights(model: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Full weight: the same small step away from the initial (reference) weights."""
+    generator = torch.Generator().manual_seed(3)
+    return {
+        name: parameter.detach() + 0.02 * torch.randn(parameter.shape, generator=generator)
+        for name, parameter in model.named_parameters()
+    }
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "dr_grpo", "gspo", "cispo"])
@@ -157,9 +163,7 @@ def test_every_loss_gets_the_same_update_from_shared_prefixes(loss_type: str) ->
 @pytest.mark.parametrize("precision", ["bf16_autocast", "bf16_weights"])
 def test_bf16_packed_stays_within_bf16_rounding_of_the_plain_path(precision: str) -> None:
     model, samples = tiny_model("qwen2"), group_samples(seed=3)
-    options = (
-        {"autocast_bf16": True} if precision == "bf16_autocast" else {"precision": "bf16"}
-    )
+    options = {"autocast_bf16": True} if precision == "bf16_autocast" else {"precision": "bf16"}
     results = [run(make_trainer(model, False, m, **options), samples, LossConfig(), None)
                for m in MODES]  # fmt: skip
     for other in results[1:]:
@@ -196,7 +200,36 @@ def test_models_where_packing_is_not_exact_keep_padded_rows_and_say_why_once(
         trainer.forward(samples)
     messages = [r.getMessage() for r in caplog.records if "packing is off" in r.getMessage()]
     assert len(messages) == 1 and "'eager'" in messages[0]
-    sliding = tiny_model(
-        "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0
-    )
+    sliding = tiny_model("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert make_trainer(sliding, False, "off", packing=True).packing_mode == "off"
+
+
+def test_paths_longer_than_the_math_attention_take_sdpa_with_the_same_result() -> None:
+    """Over 256 keys the CPU attention is SDPA (``attention.MATH_MAX_KEYS``): a shared
+    prompt of 300 tokens sends every continuation's path there, with its explicit mask."""
+    rng = random.Random(4)
+    prompt = [rng.randrange(VOCAB) for _ in range(300)]
+    samples = []
+    for _ in range(3):
+        tokens = prompt + [rng.randrange(VOCAB) for _ in range(rng.randint(4, 9))]
+        mask = [0.0] * len(prompt) + [1.0] * (len(tokens) - len(prompt))
+        samples.append(
+            TrainingSample(tokens, mask, [-4.0 * m for m in mask], [0.5 * m for m in mask])
+        )
+    model = tiny_model("llama")
+    results = [run(make_trainer(model, False, m), samples, LossConfig(), None) for m in MODES]
+    for other in results[1:]:
+        assert_same(results[0], other, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_config_trainer_packing_reaches_the_trainer_settings() -> None:
+    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.grpo.settings import RunSettings
+    from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+
+    for mode, packing, shared in (("off", False, False), ("packed", True, False),
+                                  ("shared_prefix", True, True)):  # fmt: skip
+        config = GRPOConfig(trainer_packing=mode)  # type: ignore[arg-type]
+        settings = RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).service.trainer
+        assert (settings.packing, settings.shared_prefix) == (packing, shared)
+    assert GRPOConfig().trainer_packing == "shared_prefix"

@@ -79,7 +79,7 @@ from post_training_cookbook.service.types import (
     WeightSyncType,
     WeightTransport,
 )
-from post_training_cookbook.trainer.types import LossType, Precision
+from post_training_cookbook.trainer.types import LossType, PackingMode, Precision
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -209,9 +209,10 @@ class GRPOConfig:
     weight_decay: float = setting(0.0, non_negative)
     """AdamW weight decay."""
     micro_batch_tokens: int = setting(8192, at_least(1))
-    """Padded tokens per forward/backward micro-batch. A longer episode gets one alone, and
-    episodes under 3/4 of a micro-batch's longest go to another, so padding stays under a
-    quarter. Bounds memory, not the result."""
+    """Tokens per forward/backward micro-batch: of its stream when packed
+    (``trainer_packing``), else padded (episodes under 3/4 of a micro-batch's longest go to
+    another, so padding stays under a quarter). A longer episode gets one alone. Bounds
+    memory, not the result."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (one
     more decoder forward a step). Off: the bundled model's activations are small, and a CPU
@@ -221,6 +222,13 @@ class GRPOConfig:
     """Trained positions whose vocabulary-sized log-softmax exists at once; a micro-batch
     with more recomputes its LM head per chunk in backward. None: a micro-batch's all at
     once. Bounds memory, not the result."""
+    trainer_packing: PackingMode = "shared_prefix"
+    """How micro-batches are laid out: ``"shared_prefix"``, one token stream without
+    padding where each prefix the episodes share (a group's prompt, turns they agree on) is
+    forwarded once; ``"packed"``, the stream with every episode whole; ``"off"``, padded rows
+    of similar length. All three give the same update; models where a stream is not exact
+    (sliding-window or soft-capped attention, eager or flash attention) keep padded rows,
+    said once in the log. A sharded trainer (``num_trainer_workers > 1``) pads rows."""
     trainer_precision: Precision = "fp32"
     """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
     (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16

@@ -176,6 +176,8 @@ class RunSettings:
                     logprob_chunk_tokens=config.logprob_chunk_tokens,
                     precision=config.trainer_precision,
                     reference_model=config.kl_beta > 0,
+                    packing=config.trainer_packing != "off",
+                    shared_prefix=config.trainer_packing == "shared_prefix",
                     seed=config.seed,
                 ),
                 backend=config.backend,

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -35,11 +34,9 @@ from transformers import PreTrainedModel
 from post_training_cookbook.trainer.attention import TRAINER_ATTENTION
 from post_training_cookbook.trainer.logprobs import MicroBatch, collate, hidden_at_trained
 from post_training_cookbook.trainer.packed_layout import PackedLayout, Segment
-from post_training_cookbook.trainer.types import TrainingSample
+from post_training_cookbook.trainer.types import PackingMode, TrainingSample
 
 log = logging.getLogger(__name__)
-
-PackingMode = Literal["off", "packed", "shared_prefix"]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -59,11 +59,7 @@ from post_training_cookbook.trainer.logprobs import (
     micro_batches,
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
-from post_training_cookbook.trainer.packing import (
-    PackingMode,
-    choose_packing,
-    packed_micro_batches,
-)
+from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
     Precision,
@@ -82,6 +78,7 @@ from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,
+    PackingMode,
     TrainerSettings,
     TrainingSample,
 )

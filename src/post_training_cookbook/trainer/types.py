@@ -15,6 +15,10 @@ Precision = Literal["fp32", "bf16"]
 """The trainer's weights: fp32 (with fp32 gradients and AdamW state), or bf16 weights and
 gradients with an fp32 master copy and moments in the optimizer (``trainer/precision.py``)."""
 
+PackingMode = Literal["off", "packed", "shared_prefix"]
+"""How the trainer lays out a micro-batch (``trainer/packing.py``): padded rows; one token
+stream without padding; or a stream where each prefix that samples share appears once."""
+
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
