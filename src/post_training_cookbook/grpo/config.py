@@ -228,7 +228,8 @@ class GRPOConfig:
     forwarded once; ``"packed"``, the stream with every episode whole; ``"off"``, padded rows
     of similar length. All three give the same update; models where a stream is not exact
     (sliding-window or soft-capped attention, eager or flash attention) keep padded rows,
-    said once in the log. A sharded trainer (``num_trainer_workers > 1``) pads rows."""
+    said once in the log. A sharded trainer balances packed micro-batches across its
+    ranks by the tokens each processes, a group's episodes on one rank where they fit."""
     trainer_precision: Precision = "fp32"
     """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
     (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16

@@ -25,12 +25,14 @@ attention implementation (eager, flash) keep padded rows.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from post_training_cookbook.batching import length_groups
 from post_training_cookbook.trainer.attention import TRAINER_ATTENTION
 from post_training_cookbook.trainer.logprobs import MicroBatch, collate, hidden_at_trained
 from post_training_cookbook.trainer.packed_layout import PackedLayout, Segment
@@ -132,11 +134,31 @@ def packed_micro_batches(
         yield collate_packed(samples, indices, device, share)
 
 
+def split_packed_across_ranks(
+    samples: Sequence[TrainingSample], world_size: int, max_tokens: int, mode: PackingMode
+) -> list[list[list[int]]]:
+    """Each rank's packed micro-batches (``sharded.split_across_ranks`` for packed ones):
+    micro-batches of at most a rank's fair share of the stream tokens (and ``max_tokens``),
+    so that a group's episodes stay together where they fit, handed out largest first to
+    the rank with the fewest stream tokens so far (the lowest on a tie); every rank gets as
+    many, padded with ``[]``. Deterministic, so every rank computes every rank's share."""
+    share = mode == "shared_prefix"
+    fair = math.ceil(stream_tokens(samples, max_tokens, mode) / world_size)
+    units = plan_packed(samples, max(1, min(max_tokens, fair)), share)
+    costs = [stream_tokens([samples[i] for i in unit], max_tokens, mode) for unit in units]
+    plans: list[list[list[int]]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for unit in sorted(range(len(units)), key=lambda u: -costs[u]):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        plans[rank].append(units[unit])
+        loads[rank] += costs[unit]
+    count = max(1, *(len(plan) for plan in plans))
+    return [plan + [[]] * (count - len(plan)) for plan in plans]
+
+
 def stream_tokens(samples: Sequence[TrainingSample], max_tokens: int, mode: PackingMode) -> int:
     """Tokens the decoder processes for ``samples`` in ``mode`` (padding included for
     "off"): what ``benchmarks/packing.py`` reports."""
-    from post_training_cookbook.batching import length_groups
-
     if mode == "off":
         lengths = [len(s.tokens) for s in samples]
         groups = length_groups(lengths, max_tokens=max_tokens)

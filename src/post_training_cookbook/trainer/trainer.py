@@ -134,7 +134,7 @@ class Trainer:
         rank of a sharded trainer (``sharded.py``); it joins the group before loading.
         ``packing``: each micro-batch is one token stream without padding, and with
         ``shared_prefix`` a prefix shared by samples is forwarded once (``packing.py``; on
-        only for models where it is exact, and not yet on a sharded trainer);
+        only for models where it is exact);
         ``micro_batch_tokens`` then bounds a stream's tokens.
         """
         check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
@@ -147,9 +147,7 @@ class Trainer:
         base = load_causal_lm(model_path_or_model, dtype)
         cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
         attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
-        self.packing_mode: PackingMode = (
-            choose_packing(base, packing, shared_prefix) if group is None else "off"
-        )
+        self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix)
         if tokenizer is None:
             tokenizer = load_tokenizer_if_any(model_path_or_model)
         self.tokenizer = tokenizer
@@ -408,10 +406,9 @@ class Trainer:
             return cast(Tensor, self._scorer(batch)[0])
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
-        if self.packing_mode != "off":
-            return packed_micro_batches(
-                samples, self.micro_batch_tokens, self.device, self.packing_mode
-            )
+        budget, mode = self.micro_batch_tokens, self.packing_mode
         if self._shards is not None:
-            return self._shards.micro_batches(samples, self.micro_batch_tokens, self.device)
-        return micro_batches(samples, self.micro_batch_tokens, self.device)
+            return self._shards.micro_batches(samples, budget, self.device, mode)
+        if mode != "off":
+            return packed_micro_batches(samples, budget, self.device, mode)
+        return micro_batches(samples, budget, self.device)
