@@ -13,8 +13,9 @@ rank differs from one process:
 - **Batches.** Every rank is handed the whole batch and takes its share
   (``split_across_ranks``): samples balanced by tokens, then micro-batched as on one
   process; packed micro-batches (``packing.split_packed_across_ranks``) are balanced by
-  the stream tokens each rank processes, a group's episodes kept together where they fit. FSDP's collectives run in every forward and backward, so every rank runs the same
-  number of micro-batches: a rank short of work runs zero-weight ones (every mask 0).
+  the stream tokens each rank processes, a group's episodes kept together where they fit.
+  FSDP's collectives run in every forward and backward, so every rank runs the same number
+  of micro-batches: a rank short of work runs zero-weight ones (every mask 0).
 - **Gradients.** Each micro-batch's loss is its share of the whole batch's loss
   (``losses.BatchTotals``, taken over the whole batch on every rank), so the gradients
   *summed* over ranks are the one-process gradients. FSDP averages across ranks by default;
