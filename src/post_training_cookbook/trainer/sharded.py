@@ -229,8 +229,8 @@ class Shards:
             lengths = [len(sample.tokens) for sample in samples]
             plan = split_across_ranks(lengths, self.world_size, max_tokens)[self.rank]
         else:
-            plan = split_packed_across_ranks(samples, self.world_size, max_tokens, packing)
-            plan = plan[self.rank]
+            plans = split_packed_across_ranks(samples, self.world_size, max_tokens, packing)
+            plan = plans[self.rank]
         shortest = min(samples, key=lambda sample: len(sample.tokens)).tokens[:2]
         zeros = [0.0] * len(shortest)
         padding = TrainingSample(list(shortest), zeros, zeros, zeros)
