@@ -15,7 +15,7 @@ transformers from building a stream × stream mask of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,15 +31,67 @@ UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "s_aux", "sliding_window")
 
 @dataclass(frozen=True)
 class Segment:
-    start: int
-    end: int
-    """The stream range ``[start, end)`` of this segment's (new) tokens: its queries."""
-    key_index: Tensor | None
-    """Stream indices of the whole path's keys, in position order, when the path shares a
-    prefix with earlier segments; None when the path is the segment alone."""
-    allowed: Tensor | None
-    """[1, 1, queries, keys] bool, True where a query may attend (the last ``queries`` of the
-    path's positions, causally); None with ``key_index`` None (plain causal)."""
+    """One sample's new tokens in the stream (its queries) and its whole path (its keys)."""
+
+    queries: list[int]
+    """Stream indices of the segment's tokens (consecutive)."""
+    keys: list[int]
+    """Stream indices of the whole path, in position order: the shared prefix, wherever
+    earlier segments put it, then the segment's own tokens."""
+
+    @property
+    def shared(self) -> int:
+        return len(self.keys) - len(self.queries)
+
+
+@dataclass(frozen=True)
+class AttentionBucket:
+    """Segments of similar path length, padded to one batch for one attention call."""
+
+    query_index: Tensor
+    """[rows × queries] stream index of each (row, query) slot (0 in padding slots)."""
+    key_index: Tensor
+    """[rows × keys] stream index of each (row, key) slot (0 in padding slots)."""
+    allowed: Tensor
+    """[rows, 1, queries, keys] bool: key position ≤ query position within the path (a
+    padding query may see its row's first key only, so that no row is all masked)."""
+    valid: Tensor
+    """[rows × queries] bool: the slots that hold a real query."""
+    rows: int
+    queries: int
+    keys: int
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], device: torch.device) -> AttentionBucket:
+        queries = max(len(s.queries) for s in segments)
+        keys = max(len(s.keys) for s in segments)
+        query_index = torch.zeros((len(segments), queries), dtype=torch.long)
+        key_index = torch.zeros((len(segments), keys), dtype=torch.long)
+        allowed = torch.zeros((len(segments), queries, keys), dtype=torch.bool)
+        allowed[:, :, 0] = True
+        for row, segment in enumerate(segments):
+            count, length = len(segment.queries), len(segment.keys)
+            query_index[row, :count] = torch.tensor(segment.queries)
+            key_index[row, :length] = torch.tensor(segment.keys)
+            positions = torch.arange(segment.shared, length)[:, None]
+            allowed[row, :count, :length] = torch.arange(length)[None, :] <= positions
+        valid = (
+            torch.arange(queries)[None, :]
+            < torch.tensor([len(s.queries) for s in segments])[:, None]
+        )
+        return cls(
+            query_index=query_index.flatten().to(device),
+            key_index=key_index.flatten().to(device),
+            allowed=allowed[:, None].to(device),
+            valid=valid.flatten().to(device),
+            rows=len(segments), queries=queries, keys=keys,
+        )  # fmt: skip
+
+    def gather(self, states: Tensor, index: Tensor, width: int) -> Tensor:
+        """[1, heads, stream, dim] → [rows, heads, width, dim] at ``index``."""
+        heads, dim = states.shape[1], states.shape[3]
+        picked = states[0].index_select(1, index).view(heads, self.rows, width, dim)
+        return picked.transpose(0, 1)
 
 
 @dataclass(frozen=True)
@@ -51,7 +103,9 @@ class PackedLayout:
     hidden_index: Tensor
     """[num_trained] the stream index of the hidden state that predicts each trained token,
     in the order of ``MicroBatch.trained`` (row-major over the micro-batch's rows)."""
-    segments: tuple[Segment, ...]
+    buckets: tuple[AttentionBucket, ...]
+    stream_order: Tensor
+    """[stream]: where each stream token's output is in the buckets' outputs, concatenated."""
 
     @property
     def num_tokens(self) -> int:
@@ -80,22 +134,25 @@ class PackedLayout:
         dense: DenseAttention,
         **kwargs: Any,
     ) -> tuple[Tensor, None]:
-        """Attention over the stream, one segment's queries at a time, each over its path's
-        keys (gathered by index: their gradients add up across the paths that share them).
-        ``query`` [1, heads, stream, dim]; returns [1, stream, heads, dim]."""
+        """Attention over the stream, one bucket of segments at a time, each segment's
+        queries over its path's keys (gathered by index: their gradients add up across the
+        paths that share them). ``query`` [1, heads, stream, dim]; returns
+        [1, stream, heads, dim]. A few gathers and one attention call per bucket: per-segment
+        calls would be many small ops, and slicing per segment would give each segment's
+        backward a stream-sized gradient to fill and add."""
         unsupported = [n for n in UNSUPPORTED_ATTENTION_KWARGS if kwargs.get(n) is not None]
         if unsupported:
             raise ValueError(f"a packed layout cannot apply attention with {unsupported}")
         kwargs.pop("attention_mask", None)
         outputs = []
-        for segment in self.segments:
-            queries = query[:, :, segment.start : segment.end]
-            if segment.key_index is None:
-                keys = key[:, :, segment.start : segment.end]
-                values = value[:, :, segment.start : segment.end]
-            else:
-                keys = key.index_select(2, segment.key_index)
-                values = value.index_select(2, segment.key_index)
-            out, _ = dense(module, queries, keys, values, segment.allowed, **kwargs)
-            outputs.append(out)
-        return torch.cat(outputs, dim=1), None
+        for bucket in self.buckets:
+            out, _ = dense(
+                module,
+                bucket.gather(query, bucket.query_index, bucket.queries),
+                bucket.gather(key, bucket.key_index, bucket.keys),
+                bucket.gather(value, bucket.key_index, bucket.keys),
+                bucket.allowed,
+                **kwargs,
+            )  # [rows, queries, heads, dim]
+            outputs.append(out.flatten(0, 1)[bucket.valid])
+        return torch.cat(outputs)[self.stream_order][None], None

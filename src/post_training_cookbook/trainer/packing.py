@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.trainer.attention import TRAINER_ATTENTION
 from post_training_cookbook.trainer.logprobs import MicroBatch, collate, hidden_at_trained
-from post_training_cookbook.trainer.packed_layout import PackedLayout, Segment
+from post_training_cookbook.trainer.packed_layout import AttentionBucket, PackedLayout, Segment
 from post_training_cookbook.trainer.types import PackingMode, TrainingSample
 
 log = logging.getLogger(__name__)
@@ -102,27 +102,22 @@ def collate_packed(
         stream.extend(tokens[shared:])
         positions.extend(range(shared, len(tokens)))
         if len(tokens) > shared:
-            segments.append(_segment(start, len(stream), path, shared, device))
+            segments.append(Segment(queries=path[shared:], keys=path))
         # The hidden state at t - 1 predicts token t.
         hidden_index.extend(path[t - 1] for t in range(1, len(tokens)) if sample.mask[t] > 0)
         previous_tokens, previous_path = tokens, path
+    # Segments of similar path length share an attention call (padding under a quarter).
+    groups = length_groups([len(segment.keys) for segment in segments])
+    buckets = [[segments[i] for i in group] for group in groups]
+    order = [i for bucket in buckets for segment in bucket for i in segment.queries]
     batch.packed = PackedLayout(
         input_ids=torch.tensor([stream], dtype=torch.long, device=device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=device),
         hidden_index=torch.tensor(hidden_index, dtype=torch.long, device=device),
-        segments=tuple(segments),
+        buckets=tuple(AttentionBucket.of(bucket, device) for bucket in buckets),
+        stream_order=torch.tensor(order, dtype=torch.long, device=device).argsort(),
     )
     return batch
-
-
-def _segment(start: int, end: int, path: list[int], shared: int, device: torch.device) -> Segment:
-    if shared == 0:
-        return Segment(start, end, key_index=None, allowed=None)
-    queries, keys = end - start, len(path)
-    query_positions = torch.arange(shared, shared + queries, device=device)[:, None]
-    allowed = torch.arange(keys, device=device)[None, :] <= query_positions
-    key_index = torch.tensor(path, dtype=torch.long, device=device)
-    return Segment(start, end, key_index=key_index, allowed=allowed[None, None])
 
 
 def packed_micro_batches(
