@@ -44,7 +44,7 @@ from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory import peak_bytes, reset_peak, resident_bytes  # noqa: E402
+from memory import peak_bytes, reset_peak, resident_bytes
 
 SMOLLM2_135M = {
     "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
@@ -99,7 +99,9 @@ def episodes(shape: Shape, vocab: int) -> list[TrainingSample]:
                     mask += [0.0] * shape.tool_result
             advantage = rng.choice([-1.0, 1.0])
             samples.append(
-                TrainingSample(tokens, mask, [-9.0 * m for m in mask], [advantage * m for m in mask])
+                TrainingSample(
+                    tokens, mask, [-9.0 * m for m in mask], [advantage * m for m in mask]
+                )
             )
     return samples
 

@@ -298,6 +298,7 @@ def non_default_config() -> GRPOConfig:
         weight_decay=0.01,
         micro_batch_tokens=16384,
         gradient_checkpointing=True,
+        memory_budget=0.3,
         logprob_chunk_tokens=None,
         trainer_packing="packed",
         trainer_precision="bf16",

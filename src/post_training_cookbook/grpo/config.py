@@ -208,16 +208,23 @@ class GRPOConfig:
     """Gradients are clipped to this total norm."""
     weight_decay: float = setting(0.0, non_negative)
     """AdamW weight decay."""
-    micro_batch_tokens: int = setting(8192, at_least(1))
+    micro_batch_tokens: int | None = setting(None, at_least(1, or_none=True))
     """Tokens per forward/backward micro-batch: of its stream when packed
     (``trainer_packing``), else padded (episodes under 3/4 of a micro-batch's longest go to
     another, so padding stays under a quarter). A longer episode gets one alone. Bounds
-    memory, not the result."""
-    gradient_checkpointing: bool = False
+    memory, not the result. None: the largest up to 8192 whose activations fit
+    ``memory_budget`` (logged once)."""
+    gradient_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in backward instead of keeping them (one
-    more decoder forward a step). Off: the bundled model's activations are small, and a CPU
-    is short of time, not memory. Turn it on when activations fill the device (4B+ models,
-    long micro-batches; docs/models.md, Memory)."""
+    more decoder forward a step). None: on only where 8192 tokens' activations would not fit
+    ``memory_budget`` without it (the bundled model's never do not: a CPU is short of time,
+    not memory). docs/models.md, Memory."""
+    memory_budget: float = setting(
+        0.5, holds(lambda v: 0 < v <= 1, "{name} must be in (0, 1], got {value}")
+    )
+    """Share of the device's free memory (after the weights load) that the activations of a
+    micro-batch may fill, where ``micro_batch_tokens`` or ``gradient_checkpointing`` is
+    None."""
     logprob_chunk_tokens: int | None = setting(1024, at_least(1, or_none=True))
     """Trained positions whose vocabulary-sized log-softmax exists at once; a micro-batch
     with more recomputes its LM head per chunk in backward. None: a micro-batch's all at

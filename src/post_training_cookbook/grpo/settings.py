@@ -173,6 +173,7 @@ class RunSettings:
                     max_grad_norm=config.max_grad_norm,
                     micro_batch_tokens=config.micro_batch_tokens,
                     gradient_checkpointing=config.gradient_checkpointing,
+                    memory_budget=config.memory_budget,
                     logprob_chunk_tokens=config.logprob_chunk_tokens,
                     precision=config.trainer_precision,
                     reference_model=config.kl_beta > 0,

@@ -65,15 +65,23 @@ class MicroBatch:
 
 
 def check_batch_options(
-    micro_batch_tokens: int, logprob_chunk_tokens: int | None, gradient_checkpointing: bool
+    micro_batch_tokens: int | None,
+    logprob_chunk_tokens: int | None,
+    gradient_checkpointing: bool | None,
+    memory_budget: float = 0.5,
 ) -> None:
-    """The trainer's batch options, checked before anything loads."""
-    if micro_batch_tokens < 1:
-        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    """The trainer's batch options, checked before anything loads (None: from the memory
+    plan, ``memory_plan.py``)."""
+    if micro_batch_tokens is not None and micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
     if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
         raise ValueError(f"logprob_chunk_tokens must be >= 1 or None, got {logprob_chunk_tokens}")
-    if not isinstance(gradient_checkpointing, bool):
-        raise ValueError(f"gradient_checkpointing must be a bool, got {gradient_checkpointing!r}")
+    if gradient_checkpointing is not None and not isinstance(gradient_checkpointing, bool):
+        raise ValueError(
+            f"gradient_checkpointing must be a bool or None, got {gradient_checkpointing!r}"
+        )
+    if not 0.0 < memory_budget <= 1.0:
+        raise ValueError(f"memory_budget must be in (0, 1], got {memory_budget}")
 
 
 def micro_batches(

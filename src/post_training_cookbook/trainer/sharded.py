@@ -251,6 +251,13 @@ class Shards:
                 batch.indices = []
                 yield batch
 
+    def agree(self, micro_batch_tokens: int, gradient_checkpointing: bool) -> tuple[int, bool]:
+        """The smallest micro-batch of any rank's memory plan, and checkpointing if any
+        rank's plan has it: every rank splits the batch alike (``split_across_ranks``)."""
+        values = torch.tensor([-micro_batch_tokens, int(gradient_checkpointing)])
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return int(-values[0]), bool(values[1])
+
     def sum_results(
         self, loss: float, metric_sums: dict[str, float]
     ) -> tuple[float, dict[str, float]]:

@@ -59,6 +59,7 @@ from post_training_cookbook.trainer.logprobs import (
     micro_batches,
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
+from post_training_cookbook.trainer.memory_plan import plan_memory
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
@@ -100,9 +101,10 @@ class Trainer:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float | None = 1.0,
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int | None = 4096,
         autocast_bf16: bool | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | None = False,
+        memory_budget: float = 0.5,
         logprob_chunk_tokens: int | None = 1024,
         precision: Precision = "fp32",
         reference_model: bool = False,
@@ -123,8 +125,11 @@ class Trainer:
 
         Memory (formulas and a table per model size in ``docs/models.md``):
         ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
-        small models on a CPU are short of time, not memory); ``logprob_chunk_tokens`` is how
-        many trained positions' vocabulary-sized tensors exist at once (None: all);
+        small models on a CPU are short of time, not memory); ``micro_batch_tokens`` or
+        ``gradient_checkpointing`` None: chosen from the model's shape and
+        ``memory_budget`` × the device's free memory (``memory_plan.py``, logged once);
+        ``logprob_chunk_tokens`` is how many trained positions' vocabulary-sized tensors
+        exist at once (None: all);
         ``precision`` is ``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master
         copy and moments in the optimizer (``precision.py``). ``reference_model``
         keeps the initial policy for the KL term: a frozen copy for full weight, the base
@@ -137,7 +142,9 @@ class Trainer:
         only for models where it is exact);
         ``micro_batch_tokens`` then bounds a stream's tokens.
         """
-        check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
+        check_batch_options(
+            micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
+        )
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -159,11 +166,26 @@ class Trainer:
         self.betas = betas
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
-        self.micro_batch_tokens = micro_batch_tokens
         self.logprob_chunk_tokens = logprob_chunk_tokens
         if autocast_bf16 is None:  # bf16 weights need no autocast
             autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
         self.autocast_bf16 = autocast_bf16
+        if micro_batch_tokens is None or gradient_checkpointing is None:
+            bytes_ = 2 if autocast_bf16 or self.precision == "bf16" else 4
+            plan = plan_memory(
+                base, self.device, memory_budget=memory_budget, activation_bytes=bytes_,
+                micro_batch_tokens=micro_batch_tokens,
+                gradient_checkpointing=gradient_checkpointing,
+            )  # fmt: skip
+            micro_batch_tokens, gradient_checkpointing = (
+                plan.micro_batch_tokens,
+                plan.gradient_checkpointing,
+            )
+            if self._shards is not None:  # every rank must split the batch alike
+                micro_batch_tokens, gradient_checkpointing = self._shards.agree(
+                    micro_batch_tokens, gradient_checkpointing
+                )
+        self.micro_batch_tokens: int = micro_batch_tokens
         scorer = functools.partial(
             TokenLogprobs, route=choose_route(base), chunk_tokens=logprob_chunk_tokens,
             autocast_bf16=autocast_bf16,

@@ -123,8 +123,12 @@ class TrainerSettings:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     """None turns clipping off."""
-    micro_batch_tokens: int = 4096
-    gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = 4096
+    """Tokens of a micro-batch; None: from the memory plan (``trainer/memory_plan.py``)."""
+    gradient_checkpointing: bool | None = False
+    """None: from the memory plan."""
+    memory_budget: float = 0.5
+    """Share of the device's free memory the memory plan may fill with activations."""
     logprob_chunk_tokens: int | None = 1024
     """Trained positions whose vocabulary-sized log-softmax exists at once (None: all)."""
     precision: Precision = "fp32"
