@@ -52,9 +52,12 @@ class AttentionBucket:
     """[rows × queries] stream index of each (row, query) slot (0 in padding slots)."""
     key_index: Tensor
     """[rows × keys] stream index of each (row, key) slot (0 in padding slots)."""
-    allowed: Tensor
+    allowed: Tensor | None
     """[rows, 1, queries, keys] bool: key position ≤ query position within the path (a
-    padding query may see its row's first key only, so that no row is all masked)."""
+    padding query may see its row's first key only, so that no row is all masked). None
+    where no segment shares a prefix: each row's queries are its keys, so plain causal
+    attention is exact (a real query never reaches the padding after its row's end), and
+    SDPA takes its faster causal path."""
     valid: Tensor
     """[rows × queries] bool: the slots that hold a real query."""
     rows: int
@@ -75,14 +78,13 @@ class AttentionBucket:
             key_index[row, :length] = torch.tensor(segment.keys)
             positions = torch.arange(segment.shared, length)[:, None]
             allowed[row, :count, :length] = torch.arange(length)[None, :] <= positions
-        valid = (
-            torch.arange(queries)[None, :]
-            < torch.tensor([len(s.queries) for s in segments])[:, None]
-        )
+        counts = torch.tensor([len(s.queries) for s in segments])
+        valid = torch.arange(queries)[None, :] < counts[:, None]
+        sharing = any(s.shared for s in segments)
         return cls(
             query_index=query_index.flatten().to(device),
             key_index=key_index.flatten().to(device),
-            allowed=allowed[:, None].to(device),
+            allowed=allowed[:, None].to(device) if sharing else None,
             valid=valid.flatten().to(device),
             rows=len(segments), queries=queries, keys=keys,
         )  # fmt: skip
