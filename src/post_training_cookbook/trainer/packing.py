@@ -106,9 +106,14 @@ def collate_packed(
         # The hidden state at t - 1 predicts token t.
         hidden_index.extend(path[t - 1] for t in range(1, len(tokens)) if sample.mask[t] > 0)
         previous_tokens, previous_path = tokens, path
-    # Segments of similar path length share an attention call (padding under a quarter).
-    groups = length_groups([len(segment.keys) for segment in segments])
-    buckets = [[segments[i] for i in group] for group in groups]
+    # Segments of similar path length share an attention call (padding under a quarter);
+    # those that share a prefix (fewer queries than keys, a masked call) apart from those
+    # that do not (plain causal).
+    buckets = []
+    for sharing in (False, True):
+        kind = [segment for segment in segments if bool(segment.shared) == sharing]
+        groups = length_groups([len(segment.keys) for segment in kind])
+        buckets += [[kind[i] for i in group] for group in groups]
     order = [i for bucket in buckets for segment in bucket for i in segment.queries]
     batch.packed = PackedLayout(
         input_ids=torch.tensor([stream], dtype=torch.long, device=device),
