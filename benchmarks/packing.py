@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -124,7 +125,7 @@ def measure(args: argparse.Namespace) -> Row:
     trainer = Trainer(
         model, use_lora=shape.use_lora, micro_batch_tokens=args.micro_batch_tokens, seed=0,
         packing=args.mode != "off", shared_prefix=args.mode == "shared_prefix",
-        device=args.device,
+        device=args.device, logprob_chunk_tokens=args.logprob_chunk_tokens,
     )  # fmt: skip
     assert trainer.packing_mode == args.mode
     loss = LossConfig()
@@ -151,6 +152,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--micro-batch-tokens", type=int, default=8192)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=1024)
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -158,10 +160,14 @@ def main() -> None:
         print(json.dumps(asdict(measure(args))))
         return
     common = ["--layers", str(args.layers), "--steps", str(args.steps),
-              "--micro-batch-tokens", str(args.micro_batch_tokens)]  # fmt: skip
+              "--micro-batch-tokens", str(args.micro_batch_tokens),
+              "--logprob-chunk-tokens", str(args.logprob_chunk_tokens)]  # fmt: skip
     if args.device:
         common += ["--device", args.device]
-    print(f"torch threads {torch.get_num_threads()}, SmolLM2 shape at {args.layers} layers")
+    print(
+        f"torch threads {torch.get_num_threads()}, SmolLM2 shape at {args.layers} layers, "
+        f"log-probability chunks of {args.logprob_chunk_tokens}, load {os.getloadavg()[0]:.1f}"
+    )
     print(f"{'shape':8} {'mode':14} {'processed':>9} {'trained':>7} {'s/step':>7} "
           f"{'trained/s':>9} {'peak MiB':>8} {'loss':>9}  time×  memory×")  # fmt: skip
     for shape in args.shapes:
