@@ -13,7 +13,9 @@ one ``forward_backward`` + ``optim_step`` on ``--episodes`` episodes of ``--toke
 Variants: ``plain`` (fp32 weights, log-probabilities of a whole micro-batch at once, no
 checkpointing), then each saving alone (``chunked``: ``logprob_chunk_tokens=--chunk``;
 ``checkpointed``: ``gradient_checkpointing=True``; ``bf16``: ``precision="bf16"``), then all
-three. Each variant runs in a fresh subprocess, so that its peak is its own: it builds the
+three, and ``planned``: the memory plan's micro-batch size and checkpointing (GRPOConfig's
+default, ``memory_budget`` × free memory; its row names what it chose). Each variant runs
+in a fresh subprocess, so that its peak is its own: it builds the
 trainer, makes one small warm-up step (so that AdamW's moments exist, as in every step
 after the first), resets the peak, runs the measured step and prints its numbers; this
 process prints the table and the ratios to ``plain``. On CUDA the peak is
@@ -68,6 +70,9 @@ VARIANTS: dict[str, dict[str, object]] = {
     "checkpointed": {"logprob_chunk_tokens": None, "gradient_checkpointing": True},
     "bf16": {"logprob_chunk_tokens": None, "precision": "bf16"},
     "all": {"logprob_chunk_tokens": CHUNK, "gradient_checkpointing": True, "precision": "bf16"},
+    # The memory plan's choice (GRPOConfig's default): micro-batch size and checkpointing
+    # from the model's shape and memory_budget × free memory (trainer/memory_plan.py).
+    "planned": {"micro_batch_tokens": None, "gradient_checkpointing": None},
 }
 
 
@@ -111,9 +116,10 @@ def build_trainer(args: argparse.Namespace, options: dict[str, object]) -> Train
     torch.manual_seed(0)
     # Initialised in the dtype the trainer keeps, so building it does not set the peak.
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    options = {"micro_batch_tokens": args.micro_batch_tokens, **options}
     return Trainer(
-        model, use_lora=not args.full_weight, micro_batch_tokens=args.micro_batch_tokens,
-        seed=0, device=args.device, **options,  # type: ignore[arg-type]
+        model, use_lora=not args.full_weight, seed=0, device=args.device,
+        **options,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -165,7 +171,10 @@ def measure(args: argparse.Namespace) -> Measurement:
     result = trainer.forward_backward(samples, loss)
     trainer.optim_step(1e-6)
     seconds = time.perf_counter() - start
-    return Measurement(args.variant, peak_bytes(trainer.device), before, seconds, result.loss)
+    name = args.variant
+    if name == "planned":  # what the plan chose
+        name += f" {trainer.micro_batch_tokens}{' ckpt' if trainer.gradient_checkpointing else ''}"
+    return Measurement(name, peak_bytes(trainer.device), before, seconds, result.loss)
 
 
 def run_variant(variant: str, argv: list[str]) -> Measurement:
@@ -212,12 +221,12 @@ def main() -> None:
     plain = next((r for r in rows if r.variant == "plain"), rows[0])
     gib = 2**30
     print(
-        f"\n{'variant':<14}{'peak GiB':>10}{'before':>8}{'step':>8}{'s':>7}"
+        f"\n{'variant':<20}{'peak GiB':>10}{'before':>8}{'step':>8}{'s':>7}"
         f"{'peak/plain':>12}{'step/plain':>12}{'loss':>10}"
     )
     for row in rows:
         print(
-            f"{row.variant:<14}{row.peak_bytes / gib:>10.2f}{row.resident_bytes / gib:>8.2f}"
+            f"{row.variant:<20}{row.peak_bytes / gib:>10.2f}{row.resident_bytes / gib:>8.2f}"
             f"{row.step_bytes / gib:>8.2f}{row.seconds:>7.1f}"
             f"{row.peak_bytes / plain.peak_bytes:>11.2f}x"
             f"{row.step_bytes / max(plain.step_bytes, 1):>11.2f}x{row.loss:>10.5f}"

@@ -170,7 +170,7 @@ def test_gradients_do_not_depend_on_micro_batching(use_lora: bool, loss_type: st
 
 
 def test_micro_batches_group_rows_of_similar_length_so_padding_stays_under_a_quarter() -> None:
-    trainer = make_trainer(False, micro_batch_tokens=10_000)
+    trainer = make_trainer(False, micro_batch_tokens=10_000, packing=False)
     samples = make_samples(40, seed=3)
     batches = list(trainer._micro_batches(samples))
     assert sorted(i for b in batches for i in b.indices) == list(range(40))

@@ -215,7 +215,9 @@ def test_full_forward_models_still_chunk_the_log_softmax() -> None:
     samples = make_samples(24, seed=3)
     counts = {}
     for chunk in (None, 16):
-        trainer = make_trainer(False, ROUTE_MODELS["full_forward"](), logprob_chunk_tokens=chunk)
+        trainer = make_trainer(  # padded rows: micro-batches of a few trained tokens each
+            False, ROUTE_MODELS["full_forward"](), logprob_chunk_tokens=chunk, packing=False
+        )
         with VocabularyTensors() as recorder:
             trainer.forward_backward(samples, GRPO)
         counts[chunk] = sum(1 for rows in recorder.rows if rows > 16)

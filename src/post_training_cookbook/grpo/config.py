@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 81 fields, each documented once, right under it (a test keeps the count).
+dataclass of 84 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ from post_training_cookbook.service.types import (
     WeightSyncType,
     WeightTransport,
 )
-from post_training_cookbook.trainer.types import LossType, Precision
+from post_training_cookbook.trainer.types import LossType, PackingMode, Precision
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -227,19 +227,35 @@ class GRPOConfig:
     """Gradients are clipped to this total norm."""
     weight_decay: float = setting(0.0, non_negative)
     """AdamW weight decay."""
-    micro_batch_tokens: int = setting(8192, at_least(1))
-    """Padded tokens per forward/backward micro-batch. A longer episode gets one alone, and
-    episodes under 3/4 of a micro-batch's longest go to another, so padding stays under a
-    quarter. Bounds memory, not the result."""
-    gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = setting(None, at_least(1, or_none=True))
+    """Tokens per forward/backward micro-batch: of its stream when packed
+    (``trainer_packing``), else padded (episodes under 3/4 of a micro-batch's longest go to
+    another, so padding stays under a quarter). A longer episode gets one alone. Bounds
+    memory, not the result. None: the largest up to 8192 whose activations fit
+    ``memory_budget`` (logged once)."""
+    gradient_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in backward instead of keeping them (one
-    more decoder forward a step). Off: the bundled model's activations are small, and a CPU
-    is short of time, not memory. Turn it on when activations fill the device (4B+ models,
-    long micro-batches; docs/models.md, Memory)."""
+    more decoder forward a step). None: on only where 8192 tokens' activations would not fit
+    ``memory_budget`` without it (the bundled model's never do not: a CPU is short of time,
+    not memory). docs/models.md, Memory."""
+    memory_budget: float = setting(
+        0.5, holds(lambda v: 0 < v <= 1, "{name} must be in (0, 1], got {value}")
+    )
+    """Share of the device's free memory (after the weights load) that the activations of a
+    micro-batch may fill, where ``micro_batch_tokens`` or ``gradient_checkpointing`` is
+    None."""
     logprob_chunk_tokens: int | None = setting(1024, at_least(1, or_none=True))
     """Trained positions whose vocabulary-sized log-softmax exists at once; a micro-batch
     with more recomputes its LM head per chunk in backward. None: a micro-batch's all at
     once. Bounds memory, not the result."""
+    trainer_packing: PackingMode = "shared_prefix"
+    """How micro-batches are laid out: ``"shared_prefix"``, one token stream without
+    padding where each prefix the episodes share (a group's prompt, turns they agree on) is
+    forwarded once; ``"packed"``, the stream with every episode whole; ``"off"``, padded rows
+    of similar length. All three give the same update; models where a stream is not exact
+    (sliding-window or soft-capped attention, eager or flash attention) keep padded rows,
+    said once in the log. A sharded trainer balances packed micro-batches across its
+    ranks by the tokens each processes, a group's episodes on one rank where they fit."""
     trainer_precision: Precision = "fp32"
     """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
     (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16

@@ -185,9 +185,12 @@ class RunSettings:
                     max_grad_norm=config.max_grad_norm,
                     micro_batch_tokens=config.micro_batch_tokens,
                     gradient_checkpointing=config.gradient_checkpointing,
+                    memory_budget=config.memory_budget,
                     logprob_chunk_tokens=config.logprob_chunk_tokens,
                     precision=config.trainer_precision,
                     reference_model=config.kl_beta > 0,
+                    packing=config.trainer_packing != "off",
+                    shared_prefix=config.trainer_packing == "shared_prefix",
                     seed=config.seed,
                 ),
                 backend=config.backend,
@@ -237,7 +240,8 @@ def _teacher(config: GRPOConfig) -> TeacherSpec | None:
     return TeacherSpec(
         source=config.teacher,
         scoring=ScoringSettings(
-            micro_batch_tokens=config.micro_batch_tokens,
+            # None: the trainer's memory plan chooses; the teacher keeps its own default
+            micro_batch_tokens=config.micro_batch_tokens or ScoringSettings.micro_batch_tokens,
             logprob_chunk_tokens=config.logprob_chunk_tokens,
             device="cpu" if config.device == "auto" and not _has_cuda() else _device(config),
         ),

@@ -4,7 +4,9 @@ Below the service layer: ``service/`` puts a trainer behind ``ModelService`` (in
 or as Ray actors); the trainer knows nothing of generators or weight sync. Modules:
 ``trainer`` (``Trainer``: forward_backward, optim_step, checkpoints), ``logprobs`` (token
 log-probabilities of micro-batches), ``losses`` (the policy-gradient losses), ``precision``
-(bf16 weights with fp32 masters), ``attention`` (the CPU attention choice), ``checkpoints``,
+(bf16 weights with fp32 masters), ``attention`` (the CPU attention choice), ``packing`` and
+``packed_layout`` (micro-batches as token streams, shared prefixes once), ``memory_plan``
+(micro-batch size and checkpointing from free memory), ``checkpoints``,
 ``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks and their DCP checkpoints). The records
 (``types``) import without torch; ``Trainer`` is imported on first use.
 """

@@ -5,9 +5,10 @@ plain matmuls while the key length is short; the costs cross near 256 keys (the 
 in docs/performance.md). The math path keeps a [rows, heads, queries, keys] score tensor
 for backward, which is another reason to leave long sequences to SDPA.
 
-The trainer switches a model to this only when it sits on the CPU with the default SDPA
-attention (``use_for``); the name is not saved with checkpoints (transformers keeps it
-out of ``config.json``).
+The trainer switches a model to this when it has the default SDPA attention (``use_for``;
+off the CPU it is SDPA as before), which also lets it take packed micro-batches
+(``packed_layout.py``); the name is not saved with checkpoints (transformers keeps it out
+of ``config.json``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from post_training_cookbook.trainer.packed_layout import PackedLayout
 
 TRAINER_ATTENTION = "post_training_cookbook_trainer"
 MATH_MAX_KEYS = 256  # where the measured costs cross (docs/performance.md)
@@ -35,7 +38,15 @@ def trainer_attention(
 ) -> tuple[torch.Tensor, None]:
     """HF attention signature: ``query`` [batch, heads, queries, dim], ``key``/``value``
     [batch, kv_heads, keys, dim], ``attention_mask`` from ``sdpa_mask`` (bool, True where a
-    query may attend; None when plain causal). Returns [batch, queries, heads, dim]."""
+    query may attend; None when plain causal). Returns [batch, queries, heads, dim].
+    With ``packed_layout`` (a packed micro-batch, ``packed_layout.py``) it attends one
+    segment of the stream at a time, each as below."""
+    layout: PackedLayout | None = kwargs.pop("packed_layout", None)
+    if layout is not None:
+        return layout.attend(
+            module, query, key, value, trainer_attention, dropout=dropout, scaling=scaling,
+            **kwargs,
+        )  # fmt: skip
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window"))
     long = key.shape[2] > MATH_MAX_KEYS
     if query.device.type != "cpu" or long or unusual or (dropout and module.training):
@@ -79,13 +90,14 @@ def _allowed(
     return (torch.arange(keys, device=device)[None, :] <= query_positions)[None, None]
 
 
-def use_for(model: Any) -> None:
-    """Switch ``model`` (a transformers model) to ``trainer_attention`` when it runs on the
-    CPU with SDPA; any other choice (eager, flash, CUDA) is left as it is."""
+def use_for(model: Any) -> bool:
+    """Switch ``model`` (a transformers model) to ``trainer_attention`` when it uses SDPA
+    (on CUDA that is SDPA itself, plus packed layouts); any other choice (eager, flash) is
+    left as it is. True when the model now uses ``trainer_attention``."""
     config = getattr(model, "config", None)
-    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-    if on_cpu and getattr(config, "_attn_implementation", None) == "sdpa":
+    if getattr(config, "_attn_implementation", None) == "sdpa":
         model.set_attn_implementation(TRAINER_ATTENTION)
+    return getattr(config, "_attn_implementation", None) == TRAINER_ATTENTION
 
 
 AttentionInterface.register(TRAINER_ATTENTION, trainer_attention)

@@ -36,6 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.trainer.losses import BatchTotals, token_entropy
+from post_training_cookbook.trainer.packed_layout import PackedLayout
 from post_training_cookbook.trainer.types import TrainingSample
 
 LogitsRoute = Literal["head", "forward_on_hidden", "full_forward"]
@@ -50,6 +51,9 @@ class MicroBatch:
     mask: Tensor
     sampler_logprobs: Tensor
     advantages: Tensor
+    packed: PackedLayout | None = None
+    """The decoder's input as one token stream (``packing.py``), in place of the padded
+    ``input_ids`` rows (which then only give the trained tokens' targets)."""
 
     @property
     def trained(self) -> Tensor:
@@ -61,15 +65,23 @@ class MicroBatch:
 
 
 def check_batch_options(
-    micro_batch_tokens: int, logprob_chunk_tokens: int | None, gradient_checkpointing: bool
+    micro_batch_tokens: int | None,
+    logprob_chunk_tokens: int | None,
+    gradient_checkpointing: bool | None,
+    memory_budget: float = 0.5,
 ) -> None:
-    """The trainer's batch options, checked before anything loads."""
-    if micro_batch_tokens < 1:
-        raise ValueError(f"micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    """The trainer's batch options, checked before anything loads (None: from the memory
+    plan, ``memory_plan.py``)."""
+    if micro_batch_tokens is not None and micro_batch_tokens < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
     if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
         raise ValueError(f"logprob_chunk_tokens must be >= 1 or None, got {logprob_chunk_tokens}")
-    if not isinstance(gradient_checkpointing, bool):
-        raise ValueError(f"gradient_checkpointing must be a bool, got {gradient_checkpointing!r}")
+    if gradient_checkpointing is not None and not isinstance(gradient_checkpointing, bool):
+        raise ValueError(
+            f"gradient_checkpointing must be a bool or None, got {gradient_checkpointing!r}"
+        )
+    if not 0.0 < memory_budget <= 1.0:
+        raise ValueError(f"memory_budget must be in (0, 1], got {memory_budget}")
 
 
 def micro_batches(
@@ -224,6 +236,9 @@ def _identity(logits: Tensor) -> Tensor:
 
 def hidden_at_trained(model: PreTrainedModel, batch: MicroBatch) -> Tensor:
     """[num_trained, hidden]: the decoder's last hidden states at trained positions."""
+    if batch.packed is not None:
+        decoded = model.get_decoder()(**batch.packed.decoder_inputs()).last_hidden_state
+        return cast(Tensor, decoded[0, batch.packed.hidden_index])
     hidden = model.get_decoder()(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).last_hidden_state
@@ -299,6 +314,9 @@ def forward_logits_on_hidden(model: PreTrainedModel, rows: Tensor) -> Tensor:
 
 def full_forward_logits(model: PreTrainedModel, batch: MicroBatch) -> Tensor:
     """[num_trained, vocab] fp32: the model's own logits, computed at every position."""
+    if batch.packed is not None:
+        logits = model(**batch.packed.decoder_inputs()).logits
+        return cast(Tensor, logits[0, batch.packed.hidden_index]).float()
     logits = model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).logits

@@ -12,8 +12,10 @@ rank differs from one process:
   decoder. Frozen weights (the LoRA base) are sharded alike and get no gradients.
 - **Batches.** Every rank is handed the whole batch and takes its share
   (``split_across_ranks``): samples balanced by tokens, then micro-batched as on one
-  process. FSDP's collectives run in every forward and backward, so every rank runs the same
-  number of micro-batches: a rank short of work runs zero-weight ones (every mask 0).
+  process; packed micro-batches (``packing.split_packed_across_ranks``) are balanced by
+  the stream tokens each rank processes, a group's episodes kept together where they fit.
+  FSDP's collectives run in every forward and backward, so every rank runs the same number
+  of micro-batches: a rank short of work runs zero-weight ones (every mask 0).
 - **Gradients.** Each micro-batch's loss is its share of the whole batch's loss
   (``losses.BatchTotals``, taken over the whole batch on every rank), so the gradients
   *summed* over ranks are the one-process gradients. FSDP averages across ranks by default;
@@ -48,7 +50,8 @@ from torch.distributed.tensor import DTensor
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.trainer import checkpoints
 from post_training_cookbook.trainer.logprobs import MicroBatch, TokenLogprobs, collate
-from post_training_cookbook.trainer.types import TrainingSample
+from post_training_cookbook.trainer.packing import collate_packed, split_packed_across_ranks
+from post_training_cookbook.trainer.types import PackingMode, TrainingSample
 
 
 @dataclass(frozen=True)
@@ -211,24 +214,49 @@ class Shards:
     # ------------------------------------------------------------ batches and results
 
     def micro_batches(
-        self, samples: Sequence[TrainingSample], max_tokens: int, device: torch.device
+        self,
+        samples: Sequence[TrainingSample],
+        max_tokens: int,
+        device: torch.device,
+        packing: PackingMode = "off",
     ) -> Iterator[MicroBatch]:
-        """This rank's micro-batches of the whole batch ``samples``; padding ones hold one
-        short row with every mask 0 and ``indices == []``."""
+        """This rank's micro-batches of the whole batch ``samples`` (packed ones with
+        ``packing``: ``packing.split_packed_across_ranks``); padding ones hold one short row
+        with every mask 0 and ``indices == []``."""
         if not samples:  # nothing to score, on every rank alike
             return
-        lengths = [len(sample.tokens) for sample in samples]
-        plan = split_across_ranks(lengths, self.world_size, max_tokens)[self.rank]
+        if packing == "off":
+            lengths = [len(sample.tokens) for sample in samples]
+            plan = split_across_ranks(lengths, self.world_size, max_tokens)[self.rank]
+        else:
+            plans = split_packed_across_ranks(samples, self.world_size, max_tokens, packing)
+            plan = plans[self.rank]
         shortest = min(samples, key=lambda sample: len(sample.tokens)).tokens[:2]
         zeros = [0.0] * len(shortest)
         padding = TrainingSample(list(shortest), zeros, zeros, zeros)
+        share = packing == "shared_prefix"
         for indices in plan:
             if indices:
-                yield collate(samples, indices, device)
+                yield (
+                    collate(samples, indices, device)
+                    if packing == "off"
+                    else collate_packed(samples, indices, device, share)
+                )
             else:
-                batch = collate([padding], [0], device)
+                batch = (
+                    collate([padding], [0], device)
+                    if packing == "off"
+                    else collate_packed([padding], [0], device, share)
+                )
                 batch.indices = []
                 yield batch
+
+    def agree(self, micro_batch_tokens: int, gradient_checkpointing: bool) -> tuple[int, bool]:
+        """The smallest micro-batch of any rank's memory plan, and checkpointing if any
+        rank's plan has it: every rank splits the batch alike (``split_across_ranks``)."""
+        values = torch.tensor([-micro_batch_tokens, int(gradient_checkpointing)])
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        return int(-values[0]), bool(values[1])
 
     def sum_results(
         self, loss: float, metric_sums: dict[str, float]

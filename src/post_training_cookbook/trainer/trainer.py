@@ -16,7 +16,9 @@ from a plain HF training step, and why:
   chunk, and bf16 weights with fp32 optimizer state (``precision.py``).
 - On CPU, attention over short rows is plain matmul + softmax instead of SDPA, whose
   backward is slower there (``attention.py``).
-- Micro-batches group rows of similar length (``batching.py``), so padding stays small.
+- Micro-batches are packed token streams without padding, with each shared prefix (a
+  group's prompt) forwarded once (``packing.py``); where that is not exact for a model,
+  rows of similar length (``batching.py``), so padding stays small.
 - Each micro-batch's loss is already its share of the whole batch's loss, so gradients do
   not depend on how the batch was split (see ``losses.BatchTotals``).
 - A non-finite loss or gradient turns ``optim_step`` into a reported no-op.
@@ -57,6 +59,8 @@ from post_training_cookbook.trainer.logprobs import (
     micro_batches,
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
+from post_training_cookbook.trainer.memory_plan import plan_memory
+from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
     Precision,
@@ -75,6 +79,7 @@ from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,
+    PackingMode,
     TrainerSettings,
     TrainingSample,
 )
@@ -96,12 +101,15 @@ class Trainer:
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float | None = 1.0,
-        micro_batch_tokens: int = 4096,
+        micro_batch_tokens: int | None = 4096,
         autocast_bf16: bool | None = None,
-        gradient_checkpointing: bool = False,
+        gradient_checkpointing: bool | None = False,
+        memory_budget: float = 0.5,
         logprob_chunk_tokens: int | None = 1024,
         precision: Precision = "fp32",
         reference_model: bool = False,
+        packing: bool = True,
+        shared_prefix: bool = True,
         seed: int | None = None,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
@@ -117,8 +125,11 @@ class Trainer:
 
         Memory (formulas and a table per model size in ``docs/models.md``):
         ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
-        small models on a CPU are short of time, not memory); ``logprob_chunk_tokens`` is how
-        many trained positions' vocabulary-sized tensors exist at once (None: all);
+        small models on a CPU are short of time, not memory); ``micro_batch_tokens`` or
+        ``gradient_checkpointing`` None: chosen from the model's shape and
+        ``memory_budget`` × the device's free memory (``memory_plan.py``, logged once);
+        ``logprob_chunk_tokens`` is how many trained positions' vocabulary-sized tensors
+        exist at once (None: all);
         ``precision`` is ``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master
         copy and moments in the optimizer (``precision.py``). ``reference_model``
         keeps the initial policy for the KL term: a frozen copy for full weight, the base
@@ -126,8 +137,14 @@ class Trainer:
         path's) is saved with inference checkpoints. ``forward_backward`` runs in train mode
         (LoRA dropout applies), ``forward`` in eval mode. ``group``: this process is one
         rank of a sharded trainer (``sharded.py``); it joins the group before loading.
+        ``packing``: each micro-batch is one token stream without padding, and with
+        ``shared_prefix`` a prefix shared by samples is forwarded once (``packing.py``; on
+        only for models where it is exact);
+        ``micro_batch_tokens`` then bounds a stream's tokens.
         """
-        check_batch_options(micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing)
+        check_batch_options(
+            micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
+        )
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -137,6 +154,7 @@ class Trainer:
         base = load_causal_lm(model_path_or_model, dtype)
         cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
         attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
+        self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix)
         if tokenizer is None:
             tokenizer = load_tokenizer_if_any(model_path_or_model)
         self.tokenizer = tokenizer
@@ -148,11 +166,26 @@ class Trainer:
         self.betas = betas
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
-        self.micro_batch_tokens = micro_batch_tokens
         self.logprob_chunk_tokens = logprob_chunk_tokens
         if autocast_bf16 is None:  # bf16 weights need no autocast
             autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
         self.autocast_bf16 = autocast_bf16
+        if micro_batch_tokens is None or gradient_checkpointing is None:
+            bytes_ = 2 if autocast_bf16 or self.precision == "bf16" else 4
+            plan = plan_memory(
+                base, self.device, memory_budget=memory_budget, activation_bytes=bytes_,
+                micro_batch_tokens=micro_batch_tokens,
+                gradient_checkpointing=gradient_checkpointing,
+            )  # fmt: skip
+            micro_batch_tokens, gradient_checkpointing = (
+                plan.micro_batch_tokens,
+                plan.gradient_checkpointing,
+            )
+            if self._shards is not None:  # every rank must split the batch alike
+                micro_batch_tokens, gradient_checkpointing = self._shards.agree(
+                    micro_batch_tokens, gradient_checkpointing
+                )
+        self.micro_batch_tokens: int = micro_batch_tokens
         scorer = functools.partial(
             TokenLogprobs, route=choose_route(base), chunk_tokens=logprob_chunk_tokens,
             autocast_bf16=autocast_bf16,
@@ -395,6 +428,9 @@ class Trainer:
             return cast(Tensor, self._scorer(batch)[0])
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
+        budget, mode = self.micro_batch_tokens, self.packing_mode
         if self._shards is not None:
-            return self._shards.micro_batches(samples, self.micro_batch_tokens, self.device)
-        return micro_batches(samples, self.micro_batch_tokens, self.device)
+            return self._shards.micro_batches(samples, budget, self.device, mode)
+        if mode != "off":
+            return packed_micro_batches(samples, budget, self.device, mode)
+        return micro_batches(samples, budget, self.device)

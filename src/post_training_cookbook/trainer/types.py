@@ -15,6 +15,10 @@ Precision = Literal["fp32", "bf16"]
 """The trainer's weights: fp32 (with fp32 gradients and AdamW state), or bf16 weights and
 gradients with an fp32 master copy and moments in the optimizer (``trainer/precision.py``)."""
 
+PackingMode = Literal["off", "packed", "shared_prefix"]
+"""How the trainer lays out a micro-batch (``trainer/packing.py``): padded rows; one token
+stream without padding; or a stream where each prefix that samples share appears once."""
+
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
 
@@ -119,13 +123,21 @@ class TrainerSettings:
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     """None turns clipping off."""
-    micro_batch_tokens: int = 4096
-    gradient_checkpointing: bool = False
+    micro_batch_tokens: int | None = 4096
+    """Tokens of a micro-batch; None: from the memory plan (``trainer/memory_plan.py``)."""
+    gradient_checkpointing: bool | None = False
+    """None: from the memory plan."""
+    memory_budget: float = 0.5
+    """Share of the device's free memory the memory plan may fill with activations."""
     logprob_chunk_tokens: int | None = 1024
     """Trained positions whose vocabulary-sized log-softmax exists at once (None: all)."""
     precision: Precision = "fp32"
     reference_model: bool = False
     """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
+    packing: bool = True
+    """Micro-batches as token streams without padding (``trainer/packing.py``), where exact."""
+    shared_prefix: bool = True
+    """With packing, forward each prefix that samples share once (a group's prompt)."""
     autocast_bf16: bool | None = None
     """None: bf16 autocast where the hardware makes it fast."""
     seed: int | None = None

@@ -1,0 +1,191 @@
+"""Training time and memory of one step: padded rows vs packed streams vs packed streams
+with shared prefixes (``trainer_packing``), side by side in one run.
+
+    python benchmarks/packing.py                       # every shape, at reduced depth
+    python benchmarks/packing.py --shapes long --layers 30
+
+Shapes (random weights of a real config; nothing is downloaded; the episodes are token
+ids shaped like a rollout's: a group's prompt, then sampled turns with forced tool results
+between them, each episode's turns its own):
+
+- ``recipe``: the bundled recipe's batch (``recipes/grpo/tool_use_game.py``): the bundled
+  4.5M model, full weight, 16 tasks × 8 episodes, the game's 78-token prompt (as the
+  hermes codec renders it), 3 turns of 24 sampled tokens with 12-token tool results.
+- ``smollm2``: SmolLM2-135M's shape (Llama: hidden 576, 30 layers, 9/3 heads, vocabulary
+  49,152), LoRA, 4 tasks × 4 episodes, a 390-token prompt, 3 turns of 64 tokens (with
+  16-token tool results): issue 27's side-by-side shape.
+- ``long``: the same model, a 2,000-token tool prompt, 8 episodes a group, 2 turns.
+
+Each (shape, mode) runs in a fresh subprocess, so that its peak resident set is its own:
+one warm-up step (AdamW's moments exist), then ``--steps`` measured ones
+(``forward_backward`` + ``optim_step``). Columns: tokens the decoder processes (padding
+included), trained tokens, seconds a step, trained tokens per second, the step's peak
+resident set above what was resident before it (CPU) or peak allocated (CUDA), and the
+loss, which must agree across modes. Ratios are to ``off`` (padded rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+
+from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+from post_training_cookbook.trainer.packing import stream_tokens
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+
+sys.path.insert(0, str(Path(__file__).parent))
+from memory import peak_bytes, reset_peak, resident_bytes
+
+SMOLLM2_135M = {
+    "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "max_position_embeddings": 8192, "rope_theta": 100000.0, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True, "hidden_act": "silu",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Shape:
+    groups: int
+    episodes: int
+    prompt: int
+    turns: int
+    sampled: int
+    tool_result: int
+    use_lora: bool
+
+
+SHAPES = {
+    "recipe": Shape(16, 8, 78, 3, 24, 12, use_lora=False),
+    "smollm2": Shape(4, 4, 390, 3, 64, 16, use_lora=True),
+    "long": Shape(1, 8, 2000, 2, 64, 16, use_lora=True),
+}
+MODES = ("off", "packed", "shared_prefix")
+
+
+@dataclass
+class Row:
+    shape: str
+    mode: str
+    processed_tokens: int
+    trained_tokens: int
+    seconds: float
+    peak_step_bytes: int
+    loss: float
+
+
+def episodes(shape: Shape, vocab: int) -> list[TrainingSample]:
+    rng = random.Random(0)
+    samples = []
+    for _ in range(shape.groups):
+        prompt = [rng.randrange(vocab) for _ in range(shape.prompt)]
+        for _ in range(shape.episodes):
+            tokens, mask = list(prompt), [0.0] * shape.prompt
+            for turn in range(shape.turns):
+                tokens += [rng.randrange(vocab) for _ in range(shape.sampled)]
+                mask += [1.0] * shape.sampled
+                if turn < shape.turns - 1:
+                    tokens += [rng.randrange(vocab) for _ in range(shape.tool_result)]
+                    mask += [0.0] * shape.tool_result
+            advantage = rng.choice([-1.0, 1.0])
+            samples.append(
+                TrainingSample(
+                    tokens, mask, [-9.0 * m for m in mask], [advantage * m for m in mask]
+                )
+            )
+    return samples
+
+
+def build_model(name: str, layers: int | None) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    if name == "recipe":
+        source = resolve_model(BUNDLED_MODEL_ID).source
+        return transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = dict(SMOLLM2_135M)
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+
+
+def measure(args: argparse.Namespace) -> Row:
+    shape = SHAPES[args.shape]
+    model = build_model(args.shape, args.layers)
+    samples = episodes(shape, model.config.vocab_size)
+    trainer = Trainer(
+        model, use_lora=shape.use_lora, micro_batch_tokens=args.micro_batch_tokens, seed=0,
+        packing=args.mode != "off", shared_prefix=args.mode == "shared_prefix",
+        device=args.device, logprob_chunk_tokens=args.logprob_chunk_tokens,
+    )  # fmt: skip
+    assert trainer.packing_mode == args.mode
+    loss = LossConfig()
+    trainer.forward_backward(samples, loss)
+    trainer.optim_step(1e-6)
+    device = trainer.device
+    resident = resident_bytes(device)
+    reset_peak(device)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        result = trainer.forward_backward(samples, loss)
+        trainer.optim_step(1e-6)
+    seconds = (time.perf_counter() - start) / args.steps
+    peak = peak_bytes(device) - (resident if device.type == "cpu" else 0)
+    processed = stream_tokens(samples, args.micro_batch_tokens, trainer.packing_mode)
+    trained = sum(s.num_trained_tokens for s in samples)
+    return Row(args.shape, args.mode, processed, trained, seconds, peak, result.loss)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--layers", type=int, default=4, help="SmolLM2 shape's depth (30)")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--logprob-chunk-tokens", type=int, default=1024)
+    parser.add_argument("--shape", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.shape is not None:  # one variant, in its own process
+        print(json.dumps(asdict(measure(args))))
+        return
+    common = ["--layers", str(args.layers), "--steps", str(args.steps),
+              "--micro-batch-tokens", str(args.micro_batch_tokens),
+              "--logprob-chunk-tokens", str(args.logprob_chunk_tokens)]  # fmt: skip
+    if args.device:
+        common += ["--device", args.device]
+    print(
+        f"torch threads {torch.get_num_threads()}, SmolLM2 shape at {args.layers} layers, "
+        f"log-probability chunks of {args.logprob_chunk_tokens}, load {os.getloadavg()[0]:.1f}"
+    )
+    print(f"{'shape':8} {'mode':14} {'processed':>9} {'trained':>7} {'s/step':>7} "
+          f"{'trained/s':>9} {'peak MiB':>8} {'loss':>9}  time×  memory×")  # fmt: skip
+    for shape in args.shapes:
+        rows: dict[str, Row] = {}
+        for mode in MODES:
+            command = [sys.executable, __file__, "--shape", shape, "--mode", mode, *common]
+            output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+            row = rows[mode] = Row(**json.loads(output.strip().splitlines()[-1]))
+            plain = rows["off"]
+            print(
+                f"{shape:8} {mode:14} {row.processed_tokens:9d} {row.trained_tokens:7d} "
+                f"{row.seconds:7.2f} {row.trained_tokens / row.seconds:9.0f} "
+                f"{row.peak_step_bytes / 2**20:8.0f} {row.loss:9.5f}  "
+                f"{row.seconds / plain.seconds:5.2f}  "
+                f"{row.peak_step_bytes / max(plain.peak_step_bytes, 1):7.2f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Micro-batch size and gradient checkpointing chosen from the model's shape and the memory
+the device has free (``memory_budget``), where the settings leave them to the trainer (None).
+
+Activations kept for backward dominate a step's peak beyond the weights and optimizer
+state, and grow with the tokens of a micro-batch: every decoder layer keeps, per token, its
+MLP's four intermediate-wide tensors, its attention's inputs and outputs and its norms'
+working copies (the estimate of ``benchmarks/memory_table.py`` and ``docs/models.md``);
+with checkpointing a layer keeps only its input, and one layer's worth is rebuilt at a time.
+The plan takes the largest micro-batch, up to ``MAX_MICRO_BATCH_TOKENS``, whose estimate
+fits ``memory_budget`` × the free memory after the weights are loaded: without
+checkpointing where ``MAX_MICRO_BATCH_TOKENS`` fit that way (it costs a forward), with it
+otherwise. A field the settings give is kept as given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+MAX_MICRO_BATCH_TOKENS = 8192
+MIN_MICRO_BATCH_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    micro_batch_tokens: int
+    gradient_checkpointing: bool
+    budget_bytes: int
+    """``memory_budget`` × the device's free memory when the trainer was built."""
+    bytes_per_token: int
+    """Estimated activation bytes a token keeps, with the plan's checkpointing."""
+
+
+def activation_bytes_per_token(
+    model: PreTrainedModel, checkpointing: bool, activation_bytes: int
+) -> int:
+    """Bytes a token's activations keep for backward across the decoder (an estimate)."""
+    config = model.config.get_text_config()
+    hidden, mlp = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    query = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    per_layer = activation_bytes * (4 * mlp + hidden + 3 * query + 2 * kv) + 4 * 6 * hidden
+    layers = config.num_hidden_layers
+    if checkpointing:  # each layer's input, and one layer rebuilt at a time
+        return layers * activation_bytes * hidden + per_layer
+    return layers * per_layer
+
+
+def free_bytes(device: torch.device) -> int:
+    """What the device has free now: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 8 * 2**30  # no way to ask: assume a small machine
+
+
+def plan_memory(
+    model: PreTrainedModel,
+    device: torch.device,
+    *,
+    memory_budget: float,
+    micro_batch_tokens: int | None,
+    gradient_checkpointing: bool | None,
+    activation_bytes: int,
+) -> MemoryPlan:
+    """The plan for the fields left None (see the module docstring); logged once."""
+    budget = int(memory_budget * free_bytes(device))
+
+    def per_token(checkpointing: bool) -> int:
+        return activation_bytes_per_token(model, checkpointing, activation_bytes)
+
+    def fitting(checkpointing: bool) -> int:
+        return budget // per_token(checkpointing)
+
+    tokens = micro_batch_tokens or MAX_MICRO_BATCH_TOKENS
+    if gradient_checkpointing is None:
+        checkpointing = fitting(False) < tokens
+    else:
+        checkpointing = gradient_checkpointing
+    if micro_batch_tokens is None:
+        tokens = max(MIN_MICRO_BATCH_TOKENS, min(MAX_MICRO_BATCH_TOKENS, fitting(checkpointing)))
+    plan = MemoryPlan(tokens, checkpointing, budget, per_token(checkpointing))
+    log.info(
+        "trainer: micro_batch_tokens=%d%s, gradient_checkpointing=%s%s (memory_budget %.2f of "
+        "%.1f GiB free on %s; ~%.1f MiB of activations a 1k tokens)",
+        tokens, "" if micro_batch_tokens is None else " (as set)", checkpointing,
+        "" if gradient_checkpointing is None else " (as set)", memory_budget,
+        budget / memory_budget / 2**30, device, plan.bytes_per_token * 1000 / 2**20,
+    )  # fmt: skip
+    return plan
