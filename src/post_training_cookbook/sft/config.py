@@ -204,7 +204,9 @@ class SFTConfig:
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         body = yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
-        target.write_text("# SFTConfig: load with SFTConfig.from_yaml; fields in docs/sft.md\n" + body)
+        target.write_text(
+            "# SFTConfig: load with SFTConfig.from_yaml; fields in docs/sft.md\n" + body
+        )
         return target
 
     @classmethod

@@ -121,7 +121,7 @@ async def _play(
         local = not isinstance(policy, HostedModel)
         result = await aevaluate(
             policy, tasks, env_factory, settings, runs_dir=None,
-            codec=codec if local else None, **({"device": device} if local else {}),
+            codec=codec if local else None, device=device,  # device: local models only
         )  # fmt: skip
         return list(result.groups)
     runner = ChatRunner(env_factory, policy, settings.episode_limits())

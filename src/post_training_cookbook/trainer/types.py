@@ -18,7 +18,7 @@ gradients with an fp32 master copy and moments in the optimizer (``trainer/preci
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
 """The policy-gradient losses (``GRPOConfig.loss_type``)."""
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
-SFT_LOSS = "sft"
+SFT_LOSS: Literal["sft"] = "sft"
 """Supervised fine-tuning's loss: the mean NLL over the batch's trained tokens. The trainer
 takes it like any loss; GRPO's configs do not offer it (``LossType`` stays the RL losses)."""
 TRAINER_LOSS_TYPES: tuple[str, ...] = (*LOSS_TYPES, SFT_LOSS)
