@@ -14,7 +14,8 @@ whose entities no training task names.
 Each stage runs in a fresh process (the machine's memory is shared) and writes
 ``OUT_DIR/<stage>.json``; a stage whose file exists is skipped, so an interrupted recipe
 continues where it stopped. ``OUT_DIR/summary.json`` holds the table and each stage's
-wall time. Sized for 2 shared CPU cores: SFT ~10 min, GRPO ~25 min.
+wall time. Sized for 2 shared CPU cores: SFT ~10 min, GRPO ~25 min (docs/instruct_to_agent.md has
+what each stage took).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def _evaluate(model: str, out: Path, label: str) -> dict:
     return {
         "val_reward": result.reward_mean,
         "parse_rate": result.metrics.get("eval/parse_rate"),
-        "tool_calls_per_episode": result.metrics.get("eval/tool_calls"),
+        "tool_calls_per_episode": result.metrics.get("eval/env/num_tool_calls"),
+        "turns_per_episode": result.metrics.get("eval/turns_per_episode"),
         "termination": result.termination,
         "per_level": {name: level.reward_mean for name, level in result.per_level.items()},
         "eval_dir": str(result.output_dir),
@@ -126,7 +128,7 @@ def grpo(out: Path) -> dict:
         codec=SMOLLM2_CODEC,
         batch_size=4,
         episodes_per_task=4,
-        num_steps=5,
+        num_steps=4,
         max_turns=EVAL["max_turns"],
         max_model_length=EVAL["max_model_length"],
         max_tokens_per_turn=EVAL["max_tokens_per_turn"],
