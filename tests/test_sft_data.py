@@ -215,3 +215,12 @@ def test_the_config_checks_its_fields_and_round_trips_through_yaml(tmp_path):
     assert config.learning_rate == 1.0
     path = config.to_yaml(tmp_path / "config.yaml")
     assert SFTConfig.from_yaml(path) == config
+
+
+def test_docs_sft_md_has_a_row_for_every_field_and_no_other():
+    from dataclasses import fields
+
+    text = (Path(__file__).parents[1] / "docs" / "sft.md").read_text()
+    table = text.split("## SFTConfig", 1)[1]
+    documented = [line.split("`")[1] for line in table.splitlines() if line.startswith("| `")]
+    assert documented == [f.name for f in fields(SFTConfig)]

@@ -18,7 +18,9 @@ from sft_common import demonstration_files, run, small_config
 from transformers import AutoModelForCausalLM
 
 from post_training_cookbook.models import resolve_model
+from post_training_cookbook.plots import plot_run
 from post_training_cookbook.sft import SFTConfig, SFTDataError, train_sft
+from post_training_cookbook.sft.plots import SFT_PANEL_TITLES
 from post_training_cookbook.sft.train import service_spec
 from post_training_cookbook.trainer.trainer import Trainer
 
@@ -61,6 +63,8 @@ def test_a_run_writes_its_folder_lowers_the_loss_and_saves_a_model_that_loads(
     assert sorted(p.name for p in directory.checkpoints_dir.iterdir())[-1] == "step_000006"
     model = AutoModelForCausalLM.from_pretrained(directory.final_model_dir)
     assert sum(p.numel() for p in model.parameters()) > 0
+    figure = plot_run(directory.path)  # an SFT run's figure: its loss, not rewards
+    assert [axes.get_title() for axes in figure.axes[:2]] == list(SFT_PANEL_TITLES)
 
 
 def test_the_service_trains_the_masked_nll_of_the_conversation(tiny_llama_dir, tmp_path):

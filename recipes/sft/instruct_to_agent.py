@@ -126,9 +126,9 @@ def grpo(out: Path) -> dict:
     config = GRPOConfig(
         model=str(out / "sft" / "final_model"),
         codec=SMOLLM2_CODEC,
-        batch_size=4,
+        batch_size=3,
         episodes_per_task=4,
-        num_steps=4,
+        num_steps=3,
         max_turns=EVAL["max_turns"],
         max_model_length=EVAL["max_model_length"],
         max_tokens_per_turn=EVAL["max_tokens_per_turn"],

@@ -50,7 +50,7 @@ def _fail(args: argparse.Namespace, exc: BaseException, *, status: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="Multi-turn GRPO for tool-use agents: train, fine-tune, evaluate, inspect runs.",
+        description="Multi-turn GRPO for tool-use agents: train, SFT, evaluate, inspect runs.",
         epilog="Run '%(prog)s COMMAND --help' for a command's options. Docs: docs/cli.md.",
     )
     parser.add_argument(

@@ -76,7 +76,9 @@ def run_sft(args: argparse.Namespace) -> int:
     run = train_sft(config, train, val)
     print(f"run: {run.path}")
     print(f"final model: {run.final_model_dir}")
-    print(f"next: {PROG} eval {run.path}  |  {PROG} train GRPO.yaml --set model={run.final_model_dir}")
+    print(
+        f"next: {PROG} eval {run.path}  |  {PROG} train GRPO.yaml --set model={run.final_model_dir}"
+    )
     return 0
 
 
@@ -93,7 +95,7 @@ def add_sft(subparsers: Any, command: Any) -> None:
         "  data:\n"
         "    train: demos/train.jsonl\n"
         "    val: demos/val.jsonl\n\n"
-        "One conversation a line: {\"messages\": [...], \"tools\": [...]} (OpenAI format).\n"
+        'One conversation a line: {"messages": [...], "tools": [...]} (OpenAI format).\n'
         "example: %(prog)s sft.yaml --set num_steps=2 --set run_name=smoke",
     )
     parser.add_argument("config", type=Path, help="YAML file: SFTConfig fields + data section")
