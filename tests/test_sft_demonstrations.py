@@ -126,3 +126,20 @@ def test_the_sft_command_reports_bad_data_and_config_in_one_line(tmp_path, capsy
     config.write_text("model: x\n")
     assert main(["sft", str(config)]) == 2
     assert "a 'data' section with 'train: FILE.jsonl' is required" in capsys.readouterr().err
+
+
+def test_the_sft_yaml_of_docs_cli_md_loads(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from post_training_cookbook.cli.sft import load_sft_config
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    block = text.split("## `sft`", 1)[1].split("```yaml\n", 1)[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demos").mkdir()
+    for name in ("train", "val"):
+        (tmp_path / "demos" / f"{name}.jsonl").write_text("")
+    (tmp_path / "sft.yaml").write_text(block)
+    config, train, val = load_sft_config(tmp_path / "sft.yaml", ["num_steps=2"])
+    assert config.run_name == "warm-start" and config.num_steps == 2
+    assert (train, val) == (Path("demos/train.jsonl"), Path("demos/val.jsonl"))
