@@ -126,13 +126,13 @@ def grpo(out: Path) -> dict:
     config = GRPOConfig(
         model=str(out / "sft" / "final_model"),
         codec=SMOLLM2_CODEC,
-        batch_size=2,
+        batch_size=3,
         episodes_per_task=4,
-        num_steps=2,
+        num_steps=10,
         max_turns=EVAL["max_turns"],
         max_model_length=EVAL["max_model_length"],
         max_tokens_per_turn=EVAL["max_tokens_per_turn"],
-        learning_rate=2e-4,
+        learning_rate=1e-4,
         validation_interval=0,  # each stage is scored by evaluate, under EVAL
         checkpoint_interval=1,
         runs_dir=str(out),
