@@ -405,7 +405,8 @@ def test_the_yaml_of_docs_cli_md_loads_as_a_config_and_an_env_section(tmp_path):
     from post_training_cookbook.cli.loading import load_train_config
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
-    block, mixture_section = (part.split("```")[0] for part in text.split("```yaml\n")[1:])
+    blocks = [part.split("```")[0] for part in text.split("```yaml\n")[1:]]
+    block, mixture_section = blocks[0], blocks[1]  # blocks[2]: sft (test_sft_demonstrations)
     path = tmp_path / "calculator.yaml"
     path.write_text(block)
     config, env = load_train_config(path, ["num_steps=2"])

@@ -141,7 +141,7 @@ def test_bf16_autocast_gives_logprobs_close_to_fp32() -> None:
 
 
 @pytest.mark.parametrize("use_lora", [False, True])
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "sft"])
 def test_gradients_do_not_depend_on_micro_batching(use_lora: bool, loss_type: str) -> None:
     loss = LossConfig(loss_type=loss_type, kl_beta=0.05, tis_cap=2.0)  # type: ignore[arg-type]
     model, samples = tiny_model(), make_samples(6)

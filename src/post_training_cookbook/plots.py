@@ -64,7 +64,8 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[Metrics]:
 
 
 def plot_run(run_dir: str | os.PathLike[str]) -> Figure:
-    """The run's 2×2 figure, panels titled ``PANEL_TITLES``."""
+    """The run's 2×2 figure, panels titled ``PANEL_TITLES`` (an SFT run's: its loss,
+    ``sft/plots.py``)."""
     try:
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
@@ -74,6 +75,10 @@ def plot_run(run_dir: str | os.PathLike[str]) -> Figure:
         ) from exc
 
     records = read_metrics(run_dir)
+    from post_training_cookbook.sft.plots import is_sft_run, plot_sft_records
+
+    if is_sft_run(records):  # no rewards to draw: the loss instead
+        return plot_sft_records(records, Path(run_dir).resolve().name)
     figure = Figure(figsize=(12, 8), dpi=100, layout="constrained")
     reward, validation, causes, timings = figure.subplots(2, 2).flatten()
     _reward_panel(reward, records)

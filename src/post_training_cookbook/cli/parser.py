@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from post_training_cookbook.cli import commands
 from post_training_cookbook.cli.loading import DEFAULT_ENV, DEFAULT_TASKS, CliError
+from post_training_cookbook.cli.sft import add_sft
 
 PROG = commands.PROG
 
@@ -51,7 +52,7 @@ def _fail(args: argparse.Namespace, exc: BaseException, *, status: int) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
-        description="Multi-turn GRPO for tool-use agents: train, evaluate, inspect runs.",
+        description="Multi-turn GRPO for tool-use agents: train, SFT, evaluate, inspect runs.",
         epilog="Run '%(prog)s COMMAND --help' for a command's options. Docs: docs/cli.md.",
     )
     parser.add_argument(
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_train(subparsers)
+    add_sft(subparsers, _command)
     _add_eval(subparsers)
     _add_serve(subparsers)
     _add_models(subparsers)

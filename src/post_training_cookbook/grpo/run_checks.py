@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING, Any
 from post_training_cookbook.files import BadFileError, read_json_object
 
 if TYPE_CHECKING:
-    from post_training_cookbook.grpo.config import GRPOConfig
-    from post_training_cookbook.grpo.runs import RunDirectory
+    from post_training_cookbook.grpo.runs import RunConfig, RunDirectory
 
 MANIFEST = "manifest.json"
 """In a checkpoint: ``{"sha256": {relative path: hex digest}}`` of every other file."""
@@ -74,7 +73,7 @@ def _files_under(folder: Path) -> list[str]:
 # ---------------------------------------------------------------- the run folder
 
 
-def check_run_folder(directory: RunDirectory, config: GRPOConfig) -> None:
+def check_run_folder(directory: RunDirectory, config: RunConfig) -> None:
     """Raise (``BadFileError``/``ValueError``) when the folder cannot be resumed as it is."""
     for folder in (directory.rollouts_dir, directory.checkpoints_dir):
         if folder.exists() and not folder.is_dir():

@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.files import (
@@ -67,6 +67,21 @@ RESUME_MUST_MATCH = ("model", "codec", "dtype", "use_lora", "seed")
 belong to that model, codec and training mode, and the task order to that seed."""
 RESUME_LORA_MUST_MATCH = ("lora_rank", "lora_alpha", "lora_dropout")
 """The same, with LoRA: the adapter's shape and scale. Every other field may change."""
+
+
+class RunConfig(Protocol):
+    """What a run folder needs of its config: GRPOConfig's, or SFTConfig's (``sft/``)."""
+
+    @property
+    def resume(self) -> bool: ...
+
+    @property
+    def resume_allow_missing_files(self) -> bool: ...
+
+    @property
+    def use_lora(self) -> bool: ...
+
+    def to_yaml(self, path: Path) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,9 @@ class Run:
 
 
 class RunDirectory:
+    config_type: Any = GRPOConfig
+    """The config class whose ``from_yaml`` reads config.yaml back."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.config_path = path / "config.yaml"
@@ -116,7 +134,7 @@ class RunDirectory:
 
     # ------------------------------------------------------------ starting and resuming
 
-    def check_resumable(self, config: GRPOConfig) -> None:
+    def check_resumable(self, config: RunConfig) -> None:
         """Raise ``ValueError`` when ``config`` cannot continue this run: a field of
         ``RESUME_MUST_MATCH`` differs from config.yaml's, or config.yaml is unreadable."""
         check_run_folder(self, config)
@@ -134,15 +152,16 @@ class RunDirectory:
                 "for its checkpoints to be valid; set them back, or start a new run_name)"
             )
 
-    def saved_config(self) -> GRPOConfig | None:
+    def saved_config(self) -> RunConfig | None:
         """The run's config.yaml, None when it has none yet."""
         if not self.config_path.exists():
             return None
         if self.config_path.stat().st_size == 0:
             raise BadFileError(self.config_path, "empty (0 bytes)")
-        return GRPOConfig.from_yaml(self.config_path)
+        saved: RunConfig = self.config_type.from_yaml(self.config_path)
+        return saved
 
-    def start(self, config: GRPOConfig, resumed: LoopState | None) -> list[str]:
+    def start(self, config: RunConfig, resumed: LoopState | None) -> list[str]:
         """Make the folder the run's, once it has loaded: config.yaml (the earlier one kept
         when a resume changed a setting), the folders, metrics.jsonl cut back to the
         checkpoint's step, stale partial saves removed. Returns what to tell the user."""
@@ -302,9 +321,10 @@ def _where(error: BadFileError, folder: Path) -> str:
     return f"{shown}: {error.problem}"
 
 
-def _must_match(saved: GRPOConfig, config: GRPOConfig) -> list[str]:
+def _must_match(saved: RunConfig, config: RunConfig) -> list[str]:
     lora = saved.use_lora and config.use_lora
-    return [*RESUME_MUST_MATCH, *(RESUME_LORA_MUST_MATCH if lora else ())]
+    names = [*RESUME_MUST_MATCH, *(RESUME_LORA_MUST_MATCH if lora else ())]
+    return [name for name in names if hasattr(saved, name)]  # SFTConfig has no dtype
 
 
 def _same_value(name: str, saved: Any, now: Any) -> bool:
@@ -316,9 +336,12 @@ def _same_value(name: str, saved: Any, now: Any) -> bool:
     return False
 
 
-def _changes(saved: GRPOConfig, config: GRPOConfig) -> list[str]:
+def _changes(saved: RunConfig, config: RunConfig) -> list[str]:
     """``name old → new`` for every field but ``resume`` that the resumed config changes."""
-    pairs = {f.name: (getattr(saved, f.name), getattr(config, f.name)) for f in fields(saved)}
+    pairs = {
+        f.name: (getattr(saved, f.name), getattr(config, f.name))
+        for f in fields(saved)  # type: ignore[arg-type]  # a dataclass, as both configs are
+    }
     return [
         f"{name} {old!r} → {new!r}"
         for name, (old, new) in pairs.items()

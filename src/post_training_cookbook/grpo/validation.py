@@ -377,17 +377,17 @@ def type_problem(name: str, hint: Any, value: object) -> str:
     return problem
 
 
-def unknown_key(key: object, names: list[str]) -> str:
+def unknown_key(key: object, names: list[str], config_name: str = "GRPOConfig") -> str:
     close = difflib.get_close_matches(str(key), names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown GRPOConfig key {key!r}{hint}"
+    return f"unknown {config_name} key {key!r}{hint}"
 
 
-def raise_if_any(problems: list[str]) -> None:
+def raise_if_any(problems: list[str], config_name: str = "GRPOConfig") -> None:
     if len(problems) == 1:
-        raise ValueError(f"GRPOConfig: {problems[0]}")
+        raise ValueError(f"{config_name}: {problems[0]}")
     if problems:
-        raise ValueError("GRPOConfig:\n- " + "\n- ".join(problems))
+        raise ValueError(f"{config_name}:\n- " + "\n- ".join(problems))
 
 
 def _describe(hint: Any) -> str:

@@ -1,163 +1,259 @@
-"""Supervised fine-tuning: the loss is the mean cross-entropy over assistant tokens.
+"""Supervised fine-tuning (``train_sft``): a run from the call to the final model, on the same
+trainer service as GRPO.
 
-A conversation is rendered by the model's codec, which marks the tokens the model would have
-sampled (assistant content, tool calls, the closing stop token) with mask 1; everything else
-(system and user turns, tool results, template glue) is context only.
+1. Checks that need no weights: the config, the model's catalog entry, every conversation
+   (``SFTDataError`` names file and line). Then the codec renders them, longer ones skipped
+   and counted; still before any weights load.
+2. The service (``open_service``: LoRA or full, bf16 masters, gradient checkpointing,
+   chunked log-probabilities, sharded workers on Ray); a resumed run loads its newest
+   readable checkpoint; only then the run folder (config.yaml) and W&B, as ``grpo/train.py``.
+3. The loop: each step's conversations (``plan_batches``, fixed by the data and the seed),
+   one ``forward_backward`` with the ``"sft"`` loss (mean NLL over the batch's trained
+   tokens), one ``optim_step``; the validation loss every ``validation_interval`` steps;
+   atomic checkpoints every ``checkpoint_interval``.
+4. The final validation loss and the final model (``runs/<run_name>/final_model``).
+
+Padding-free packing of short conversations into one row is not built yet: each
+conversation is its own row of a micro-batch. The loss is normalised by the trained tokens
+of the whole optimizer batch, so packing, when it comes, changes speed, not the loss.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+import contextlib
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-import torch
-from transformers import PreTrainedModel
+from post_training_cookbook.files import commit_folder, partial_folder, write_text_atomic
+from post_training_cookbook.grpo.reporting import ConsoleProgress, RunLog, WandbLogger
+from post_training_cookbook.grpo.runs import LoopState, RunDirectory, resume_from_checkpoint
+from post_training_cookbook.grpo.settings import LearningRateSchedule
+from post_training_cookbook.models.availability import require_weights
+from post_training_cookbook.models.catalog import (
+    ModelInfo,
+    check_model_can_sample,
+    require_engine_support,
+    resolve_model,
+)
+from post_training_cookbook.models.loading import load_codec
+from post_training_cookbook.service.base import ModelService
+from post_training_cookbook.service.factory import ServiceSpec, check_service_spec, open_service
+from post_training_cookbook.sft.config import SFTConfig
+from post_training_cookbook.sft.data import (
+    Conversation,
+    RenderedData,
+    SFTExample,
+    load_conversations,
+    plan_batches,
+    render_examples,
+)
+from post_training_cookbook.sync import run_sync
+from post_training_cookbook.trainer.types import SFT_LOSS, LossConfig, TrainerSettings
 
-from post_training_cookbook.codecs import Codec
-from post_training_cookbook.types import Message, ToolSpec
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    learning_rate: float = 1e-3
-    """Peak learning rate, reached after ``warmup_steps`` and decayed by a cosine."""
-    batch_size: int = 32
-    """Conversations per optimizer step."""
-    num_steps: int = 1000
-    warmup_steps: int = 30
-    min_learning_rate_ratio: float = 0.1
-    """The cosine ends at ``learning_rate * min_learning_rate_ratio``."""
-    weight_decay: float = 0.1
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    max_grad_norm: float = 1.0
-    max_length: int = 1024
-    """Longer examples are dropped (and counted) rather than silently cut."""
-    autocast_bf16: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("learning_rate", "batch_size", "num_steps", "max_length", "max_grad_norm"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SFTConfig.{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.warmup_steps < self.num_steps:
-            raise ValueError("SFTConfig.warmup_steps must be in [0, num_steps)")
-        if not 0 <= self.min_learning_rate_ratio <= 1:
-            raise ValueError("SFTConfig.min_learning_rate_ratio must be in [0, 1]")
-
-    def learning_rate_at(self, step: int) -> float:
-        """Linear warmup, then cosine decay to ``min_learning_rate_ratio``."""
-        if step < self.warmup_steps:
-            return self.learning_rate * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.num_steps - self.warmup_steps)
-        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-        floor = self.min_learning_rate_ratio
-        return self.learning_rate * (floor + (1 - floor) * cosine)
+Conversations = str | Path | Iterable[Conversation | Mapping[str, Any]]
+DATA_SUMMARY = "data.json"
+"""In the run folder: how many conversations were trained on, and which were skipped."""
 
 
-@dataclass(frozen=True)
-class SFTExample:
-    tokens: list[int]
-    mask: list[int]
-    """1 on the tokens trained on (the assistant's), 0 on context."""
+class SFTRunDirectory(RunDirectory):
+    """A GRPO run's folder layout, with an ``SFTConfig`` in config.yaml (rollouts/ stays
+    empty)."""
 
-
-@dataclass(frozen=True)
-class SFTStepLog:
-    step: int
-    loss: float
-    learning_rate: float
-    grad_norm: float
-    trained_tokens: int
-
-
-def tokenize_conversations(
-    codec: Codec, conversations: Iterable[tuple[list[Message], list[ToolSpec] | None]]
-) -> list[SFTExample]:
-    """Render each ``(messages, tools)`` conversation with its assistant mask."""
-    examples = []
-    for messages, tools in conversations:
-        tokens, mask = codec.render_conversation(messages, tools)
-        examples.append(SFTExample(tokens=tokens, mask=mask))
-    return examples
-
-
-def _collate(batch: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded ids, attention mask, and labels that are -100 off the assistant mask."""
-    width = max(len(example.tokens) for example in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(batch), width), dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    for row, example in enumerate(batch):
-        length = len(example.tokens)
-        ids[row, :length] = torch.tensor(example.tokens)
-        attention[row, :length] = 1
-        trained = torch.tensor(example.mask, dtype=torch.bool)
-        labels[row, :length] = torch.where(trained, ids[row, :length], -100)
-    return ids, attention, labels
-
-
-def _length_bucketed_batches(
-    examples: Sequence[SFTExample], batch_size: int, rng: random.Random
-) -> list[list[SFTExample]]:
-    """One epoch of batches: shuffled, then sorted by length within windows of 16 batches so
-    that a batch pads little, while batch order stays random."""
-    order = rng.sample(range(len(examples)), len(examples))
-    window = 16 * batch_size
-    batches = []
-    for start in range(0, len(order), window):
-        chunk = sorted(order[start : start + window], key=lambda i: len(examples[i].tokens))
-        batches += [
-            [examples[i] for i in chunk[offset : offset + batch_size]]
-            for offset in range(0, len(chunk), batch_size)
-        ]
-    rng.shuffle(batches)
-    return batches
+    config_type = SFTConfig
 
 
 def train_sft(
-    model: PreTrainedModel,
-    examples: Sequence[SFTExample],
     config: SFTConfig,
-    *,
-    pad_token_id: int,
-    on_step: Callable[[SFTStepLog], None] | None = None,
-) -> list[SFTStepLog]:
-    """Train ``model`` in place on ``examples`` (sampled without replacement, epoch by epoch)."""
-    usable = [example for example in examples if len(example.tokens) <= config.max_length]
-    if not usable:
-        raise ValueError(f"no SFT example fits max_length={config.max_length}")
-    if not any(any(example.mask) for example in usable):
-        raise ValueError("no SFT example has an assistant token to train on")
-    rng = random.Random(config.seed)
-    torch.manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=config.learning_rate,
-        betas=config.adam_betas,
-        weight_decay=config.weight_decay,
+    conversations: Conversations,
+    val_conversations: Conversations | None = None,
+) -> RunDirectory:
+    """Fine-tune ``config.model`` on ``conversations`` (a JSONL path, or ``Conversation``s or
+    ``{"messages", "tools"}`` mappings), the loss on the assistant's tokens.
+
+    Returns the run directory (``runs/<run_name>``: config.yaml, metrics.jsonl, data.json,
+    checkpoints/, final_model/). ``val_conversations``: the validation loss ``val/nll``,
+    before step 0, every ``validation_interval`` steps and at the end. Bad data or config
+    fails before any model loads. Callable from sync code, also inside a running event loop.
+    """
+    train = load_conversations(conversations)
+    val = load_conversations(val_conversations) if val_conversations is not None else []
+    config = config.with_resolved_run_name()
+    info = resolve_model(config.model, codec=config.codec)
+    check_model_can_sample(info, config.max_model_length)
+    require_weights(info)
+    spec = service_spec(config, info)
+    require_engine_support(info, spec.generation_engine)
+    check_service_spec(spec)
+    codec = load_codec(info)
+    train_data = render_examples(codec, train, config.train_on, config.max_model_length)
+    val_data = render_examples(codec, val, config.train_on, config.max_model_length)
+    if not train_data.examples:
+        raise ValueError(
+            f"no training conversation fits max_model_length={config.max_model_length} with "
+            f"a token to train on ({len(train_data.skipped_too_long)} too long, "
+            f"{len(train_data.skipped_untrained)} without an assistant turn)"
+        )
+    return run_sync(_train(config, spec, train_data, val_data))
+
+
+def service_spec(config: SFTConfig, info: ModelInfo) -> ServiceSpec:
+    """The run's service: GRPO's, with the one generator the service always holds."""
+    return ServiceSpec(
+        model=info,
+        trainer=TrainerSettings(
+            use_lora=config.use_lora,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            micro_batch_tokens=config.micro_batch_tokens,
+            gradient_checkpointing=config.gradient_checkpointing,
+            logprob_chunk_tokens=config.logprob_chunk_tokens,
+            precision=config.trainer_precision,
+            seed=config.seed,
+        ),
+        backend=config.backend,
+        generation_engine="torch" if "torch" in info.engines else "vllm",
+        engine_dtype=config.dtype,
+        max_model_length=config.max_model_length,
+        ray_address=config.ray_address,
+        device=config.device,
+        num_gpus_per_trainer=config.num_gpus_per_trainer,
+        num_trainer_workers=config.num_trainer_workers,
+        collective_timeout_s=config.collective_timeout_s,
     )
-    batches: list[list[SFTExample]] = []
-    logs = []
-    model.train()
-    for step in range(config.num_steps):
-        if not batches:
-            batches = _length_bucketed_batches(usable, config.batch_size, rng)
-        batch = batches.pop()
-        ids, attention, labels = _collate(batch, pad_token_id)
-        learning_rate = config.learning_rate_at(step)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.autocast_bf16):
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        log = SFTStepLog(step, loss.item(), learning_rate, grad_norm, int((labels >= 0).sum()))
-        logs.append(log)
-        if on_step is not None:
-            on_step(log)
-    model.eval()
-    return logs
+
+
+async def _train(
+    config: SFTConfig, spec: ServiceSpec, train: RenderedData, val: RenderedData
+) -> RunDirectory:
+    directory = SFTRunDirectory(config.run_dir())
+    if directory.path.exists() and not config.resume and any(directory.path.iterdir()):
+        raise ValueError(
+            f"{directory.path} already exists: pick another run_name or set resume=True"
+        )
+    if config.resume:
+        directory.check_resumable(config)
+    examples = train.examples
+    plan = plan_batches(
+        [len(example.tokens) for example in examples],
+        config.batch_tokens, config.num_epochs, config.num_steps, config.seed,
+    )  # fmt: skip
+    schedule = LearningRateSchedule(
+        config.learning_rate, len(plan), config.warmup_steps, config.lr_schedule
+    )
+    loss = LossConfig(loss_type=SFT_LOSS)
+    val_samples = [example.training_sample() for example in val.examples]
+    async with contextlib.AsyncExitStack() as opened:
+        service = await open_service(spec)
+        opened.push_async_callback(service.close)
+        resumed: LoopState | None = None
+        notes: list[str] = []
+        if config.resume:
+            resumed, notes = await resume_from_checkpoint(directory, service)
+        notes += directory.start(config, resumed)
+        notes += _write_data_summary(directory, train, val, len(plan))
+        wandb = WandbLogger(
+            config.wandb_project, config.resolved_run_name(), str(directory.path),
+            config.to_dict(), resume=config.resume,
+        )  # fmt: skip
+        opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
+        start = resumed.step if resumed else 0
+        name = config.resolved_run_name()
+        progress = opened.enter_context(ConsoleProgress(len(plan), start, name))
+        for note in notes:
+            progress.note(note)
+        log = RunLog(directory, wandb, progress)
+        for step in range(start, len(plan)):
+            metrics: dict[str, float] = {}
+            if val_samples and _validation_due(config, step):
+                metrics["val/nll"] = await validation_loss(service, val_samples)
+            started = time.perf_counter()
+            batch = [examples[index] for index in plan[step]]
+            result = await service.forward_backward(
+                [example.training_sample() for example in batch], loss
+            )
+            optimized = await service.optim_step(schedule.at(step))
+            metrics.update(_step_metrics(result.metrics, optimized.metrics, batch))
+            metrics.update({"time/train": time.perf_counter() - started})
+            metrics["train/epoch"] = _epoch_of(plan, step, len(examples))
+            log.record(step, metrics)
+            if step + 1 == len(plan) or (
+                config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0
+            ):
+                await _save_checkpoint(directory, service, LoopState(step + 1, step + 1, name))
+        if val_samples:
+            final = {"val/nll": await validation_loss(service, val_samples)}
+            log.record(len(plan), final, advance=False)
+        final_model = partial_folder(directory.final_model_dir)
+        await service.save_inference_checkpoint(final_model)
+        commit_folder(final_model, directory.final_model_dir)
+        log.note(f"final model: {directory.final_model_dir}")
+    return directory
+
+
+async def validation_loss(service: ModelService, samples: Sequence[Any]) -> float:
+    """Mean NLL over the trained tokens of ``samples`` under the current weights."""
+    logprobs = await service.forward(samples)
+    total = sum(-lp for row in logprobs for lp in row)
+    tokens = sum(sample.num_trained_tokens for sample in samples)
+    return total / max(tokens, 1)
+
+
+def _validation_due(config: SFTConfig, step: int) -> bool:
+    return config.validation_interval > 0 and step % config.validation_interval == 0
+
+
+def _step_metrics(
+    loss_metrics: Mapping[str, float], optim_metrics: Mapping[str, float], batch: list[SFTExample]
+) -> dict[str, float]:
+    return {
+        **loss_metrics,
+        **optim_metrics,
+        "train/conversations": float(len(batch)),
+        "train/trained_tokens": float(sum(sum(example.mask) for example in batch)),
+        "train/tokens": float(sum(len(example.tokens) for example in batch)),
+    }
+
+
+def _epoch_of(plan: list[list[int]], step: int, num_examples: int) -> float:
+    """Passes over the data completed after ``step`` (fractional)."""
+    seen = sum(len(batch) for batch in plan[: step + 1])
+    return seen / max(num_examples, 1)
+
+
+async def _save_checkpoint(
+    directory: RunDirectory, service: ModelService, state: LoopState
+) -> None:
+    partial = directory.partial_checkpoint(state.step)
+    await service.save_training_checkpoint(partial)
+    directory.commit_checkpoint(partial, state)
+
+
+def _write_data_summary(
+    directory: RunDirectory, train: RenderedData, val: RenderedData, num_steps: int
+) -> list[str]:
+    """data.json, and a note for each kind of skipped conversation."""
+    summary = {
+        "num_steps": num_steps,
+        "train_conversations": len(train.examples),
+        "train_trained_tokens": sum(sum(example.mask) for example in train.examples),
+        "val_conversations": len(val.examples),
+        "skipped_too_long": train.skipped_too_long + val.skipped_too_long,
+        "skipped_untrained": train.skipped_untrained + val.skipped_untrained,
+    }
+    write_text_atomic(directory.path / DATA_SUMMARY, json.dumps(summary, indent=1) + "\n")
+    notes = []
+    for key, why in (
+        ("skipped_too_long", "longer than max_model_length (not cut)"),
+        ("skipped_untrained", "without an assistant token to train on"),
+    ):
+        skipped: list[str] = summary[key]  # type: ignore[assignment]
+        if skipped:
+            shown = ", ".join(skipped[:3]) + (" ..." if len(skipped) > 3 else "")
+            notes.append(f"data: skipped {len(skipped)} conversation(s) {why}: {shown}")
+    return notes

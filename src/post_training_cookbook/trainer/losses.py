@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from post_training_cookbook.trainer.types import LOSS_TYPES, LossConfig
+from post_training_cookbook.trainer.types import SFT_LOSS, TRAINER_LOSS_TYPES, LossConfig
 
 Metrics = dict[str, float]
 
@@ -318,14 +318,39 @@ def cispo_loss(
     return loss, metrics
 
 
+def sft_loss(
+    logprobs: Tensor,
+    sampler_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: LossConfig,
+    *,
+    reference_logprobs: Tensor | None = None,
+    trainer_old_logprobs: Tensor | None = None,
+    totals: BatchTotals | None = None,
+) -> tuple[Tensor, Metrics]:
+    """Supervised fine-tuning: the negative log-likelihood of the trained tokens, averaged
+    over every trained token of the batch (``totals``), whatever the micro-batches.
+
+    L = −Σ_i Σ_{t∈o_i} m_t·log π_θ(x_t) / Σ_i Σ_t m_t.
+    Dividing by the batch's token count, not by each sequence's, keeps the loss and its
+    gradient the same however conversations are grouped into rows (micro-batches now,
+    packed rows later). ``sampler_logprobs``, ``advantages`` and the clip settings are unused.
+    """
+    totals = totals or BatchTotals.of(mask)
+    loss = -(logprobs * mask).sum() / max(totals.num_tokens, 1e-8)
+    return loss, {"loss/nll": -_masked_mean(logprobs.detach(), mask)}
+
+
 LOSS_FNS: dict[str, LossFn] = {
     "grpo": grpo_loss,
     "dapo": dapo_loss,
     "dr_grpo": dr_grpo_loss,
     "gspo": gspo_loss,
     "cispo": cispo_loss,
+    SFT_LOSS: sft_loss,
 }
-assert set(LOSS_FNS) == set(LOSS_TYPES)
+assert set(LOSS_FNS) == set(TRAINER_LOSS_TYPES)
 
 
 def get_loss_fn(loss_type: str) -> LossFn:
@@ -333,7 +358,9 @@ def get_loss_fn(loss_type: str) -> LossFn:
     try:
         return LOSS_FNS[loss_type]
     except KeyError:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}") from None
+        raise ValueError(
+            f"loss_type must be one of {TRAINER_LOSS_TYPES}, got {loss_type!r}"
+        ) from None
 
 
 def token_entropy(logprobs_over_vocab: Tensor) -> Tensor:

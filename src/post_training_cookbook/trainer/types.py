@@ -20,7 +20,12 @@ PackingMode = Literal["off", "packed", "shared_prefix"]
 stream without padding; or a stream where each prefix that samples share appears once."""
 
 LossType = Literal["grpo", "dapo", "dr_grpo", "gspo", "cispo"]
+"""The policy-gradient losses (``GRPOConfig.loss_type``)."""
 LOSS_TYPES: tuple[str, ...] = get_args(LossType)
+SFT_LOSS: Literal["sft"] = "sft"
+"""Supervised fine-tuning's loss: the mean NLL over the batch's trained tokens. The trainer
+takes it like any loss; GRPO's configs do not offer it (``LossType`` stays the RL losses)."""
+TRAINER_LOSS_TYPES: tuple[str, ...] = (*LOSS_TYPES, SFT_LOSS)
 
 
 @dataclass
@@ -57,7 +62,7 @@ class TrainingSample:
 class LossConfig:
     """Which policy-gradient loss to use and its knobs; formulas in ``docs/losses.md``."""
 
-    loss_type: LossType = "grpo"
+    loss_type: LossType | Literal["sft"] = "grpo"
     clip_low: float = 0.2
     """The ratio is clipped below at ``1 - clip_low`` (CISPO has no lower clip and ignores it)."""
     clip_high: float = 0.2
@@ -75,8 +80,10 @@ class LossConfig:
     budget (e.g. max_turns × max_tokens) for a constant that does not move between batches."""
 
     def __post_init__(self) -> None:
-        if self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.loss_type not in TRAINER_LOSS_TYPES:
+            raise ValueError(
+                f"loss_type must be one of {TRAINER_LOSS_TYPES}, got {self.loss_type!r}"
+            )
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"clip_low must be in [0, 1], got {self.clip_low}")
         if not 0.0 <= self.clip_high < math.inf:
