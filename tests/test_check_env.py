@@ -57,7 +57,7 @@ class AddTool:
 
 
 class AdderEnv(Env):
-    """A conforming env in the shape of the seed's MathEnv; the broken envs below override it."""
+    """A conforming env like the hosted guide's MathEnv; the broken envs below override it."""
 
     def __init__(self) -> None:
         self._messages: list[Message] = []

@@ -65,7 +65,7 @@ def test_the_tools_schema_is_get_json_schemas(fn) -> None:
     assert tool.name == expected["function"]["name"]
     assert tool.description == expected["function"]["description"]
     assert tool.parameters_schema == expected["function"]["parameters"]
-    assert isinstance(tool, Tool)  # the seed's Tool protocol
+    assert isinstance(tool, Tool)  # the hosted guide's Tool protocol
 
 
 def test_a_sync_and_an_async_function_both_run_on_valid_arguments() -> None:
@@ -221,10 +221,10 @@ def test_plain_functions_in_a_tool_env_are_made_into_tools_and_pass_check_env() 
     assert report.ok, report
 
 
-def test_a_function_tool_works_in_an_env_written_like_the_seeds() -> None:
-    """The seed's dispatch (``await tool.execute(arguments)`` inside ``try``) takes one too."""
+def test_a_function_tool_works_in_an_env_written_like_the_hosted_guides() -> None:
+    """The hosted guide's dispatch (``await tool.execute(arguments)`` in ``try``) takes one too."""
 
-    class SeedStyleEnv(Env):
+    class GuideStyleEnv(Env):
         def __init__(self) -> None:
             self._messages: list[Message] = []
             self._tools = {"convert": function_tool(convert)}
@@ -257,5 +257,5 @@ def test_a_function_tool_works_in_an_env_written_like_the_seeds() -> None:
         def messages(self) -> list[Message]:
             return list(self._messages)
 
-    report = check_env(lambda task: SeedStyleEnv(), [Task("How far is 3 mi?", "4.83")])
+    report = check_env(lambda task: GuideStyleEnv(), [Task("How far is 3 mi?", "4.83")])
     assert report.ok, report

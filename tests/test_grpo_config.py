@@ -1,5 +1,5 @@
-"""GRPOConfig: the seed's examples, validation, YAML round-trip, derived values, and the docs
-table kept in sync with the code."""
+"""GRPOConfig: the hosted guide's examples, validation, YAML round-trip, derived values, and
+the docs table kept in sync with the code."""
 
 import ast
 import dataclasses
@@ -23,10 +23,10 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "grpo_config.md"
 FIELD_NAMES = [f.name for f in dataclasses.fields(GRPOConfig)]
 
 
-# The seed's examples, unchanged
+# The hosted guide's examples, unchanged
 
 
-def test_the_seed_training_example_constructs_unchanged() -> None:
+def test_the_hosted_guide_training_example_constructs_unchanged() -> None:
     config = GRPOConfig(
         model="Qwen/Qwen3.8-27B",
         batch_size=4,
@@ -45,7 +45,7 @@ def test_the_seed_training_example_constructs_unchanged() -> None:
     assert not config.is_async
 
 
-def test_the_seed_async_example_constructs_unchanged() -> None:
+def test_the_hosted_guide_async_example_constructs_unchanged() -> None:
     config = GRPOConfig(
         model="Qwen/Qwen3.6-35B-A3B",
         max_turns=6,
@@ -60,7 +60,7 @@ def test_the_seed_async_example_constructs_unchanged() -> None:
     assert config.weight_sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS
 
 
-def test_defaults_follow_the_seed_and_the_hosted_conventions() -> None:
+def test_defaults_follow_the_hosted_guide_and_the_hosted_conventions() -> None:
     config = GRPOConfig()
     assert config.model == BUNDLED_MODEL_ID
     assert config.wandb_project == "post-training-cookbook"

@@ -1,6 +1,6 @@
 """``close()`` on every way an episode ends in ``train_multi_turn``, and the env error policy.
 
-The seed: "The loop calls close() whenever an episode ends, including an episode the loop
+The hosted guide: "The loop calls close() whenever an episode ends, including an episode the loop
 truncates before step returns a terminal result." ``env_errors="raise"`` stops the run
 naming the task and turn; ``"truncate"`` ends the episode as ``ENV`` and counts it.
 """

@@ -1,5 +1,5 @@
 """W&B logging: ``wandb_project=None`` imports nothing of wandb; ``WANDB_MODE=offline`` logs
-locally with no network and no API key (seed: "Requirements").
+locally with no network and no API key (the hosted guide: "Requirements").
 
 Each run is a one-step run of the tiny model in a fresh interpreter, so that no other test's
 imports count.

@@ -46,11 +46,11 @@ def test_an_unknown_model_id_fails_with_the_known_ids_listed():
         resolve_model("nope/nothing")
 
 
-# ---- the seed's models and today's families ----
+# ---- the hosted guide's models and today's families ----
 
-SEED_MODELS = {"Qwen/Qwen3.8-27B": "qwen3.8", "Qwen/Qwen3.6-35B-A3B": "qwen3.6"}
+HOSTED_GUIDE_MODELS = {"Qwen/Qwen3.8-27B": "qwen3.8", "Qwen/Qwen3.6-35B-A3B": "qwen3.6"}
 FAMILY_MODELS = {
-    **SEED_MODELS,
+    **HOSTED_GUIDE_MODELS,
     "Qwen/Qwen3-4B": "qwen3",
     "Qwen/Qwen3-8B": "qwen3",
     "Qwen/Qwen3-4B-Instruct-2507": "qwen3-2507",
@@ -61,7 +61,7 @@ FAMILY_MODELS = {
 
 
 @pytest.mark.parametrize(("model", "codec"), FAMILY_MODELS.items())
-def test_the_catalog_knows_the_seeds_models_and_todays_families(model, codec):
+def test_the_catalog_knows_the_hosted_guides_models_and_todays_families(model, codec):
     info = resolve_model(model)
     assert info.codec == codec and info.generator_support and info.source == model
     assert info.training_modes == ("lora", "full") and info.default_dtype == "bfloat16"
@@ -70,8 +70,8 @@ def test_the_catalog_knows_the_seeds_models_and_todays_families(model, codec):
     assert check_codec_options(info, {}) == {}
 
 
-def test_the_seeds_hybrid_attention_models_sample_through_vllm_only():
-    for model in SEED_MODELS:
+def test_the_hosted_guides_hybrid_attention_models_sample_through_vllm_only():
+    for model in HOSTED_GUIDE_MODELS:
         info = resolve_model(model)
         assert info.max_context == 262144 and info.engines == ("vllm",)
         require_engine_support(info, "vllm")
@@ -79,8 +79,8 @@ def test_the_seeds_hybrid_attention_models_sample_through_vllm_only():
             require_engine_support(info, "torch")
 
 
-@pytest.mark.parametrize("model", SEED_MODELS)
-def test_without_weights_the_seeds_models_fail_naming_the_model_and_how_to_provide_it(
+@pytest.mark.parametrize("model", HOSTED_GUIDE_MODELS)
+def test_without_weights_the_hosted_guides_models_fail_naming_the_model_and_how_to_provide_it(
     model, tmp_path, monkeypatch
 ):
     from huggingface_hub import constants
@@ -88,7 +88,7 @@ def test_without_weights_the_seeds_models_fail_naming_the_model_and_how_to_provi
     # HF_HUB_OFFLINE=1 and an empty HF_HOME, as the hub reads them (at import, so patched)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    info = resolve_model(model)  # what a run with the seed's model id resolves first
+    info = resolve_model(model)  # what a run with the hosted guide's model id resolves first
     with pytest.raises(ValueError) as error:
         require_weights(info)
     message = str(error.value)

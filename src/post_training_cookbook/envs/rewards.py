@@ -26,7 +26,7 @@ RewardFn = Callable[[Message, Task], float | Awaitable[float]]
 
 
 def exact_answer(answer: Message, task: Task) -> float:
-    """1.0 when the reply, stripped, is the target's text (the seed's ``MathEnv`` rule)."""
+    """1.0 when the reply, stripped, is the target's text (the hosted guide's ``MathEnv`` rule)."""
     return 1.0 if (answer.get("content") or "").strip() == str(task.target) else 0.0
 
 

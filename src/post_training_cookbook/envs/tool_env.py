@@ -1,6 +1,6 @@
 """``ToolEnv``: the tool-use episode every env writes by hand, written once.
 
-The seed's ``MathEnv`` spends 60 lines on a loop every tool env repeats: open with a system
+The hosted guide's ``MathEnv`` spends 60 lines on a loop every tool env repeats: open with a system
 prompt and the task, run each tool call and answer it with a tool message, turn a tool's
 exception into a message the model reads, end on the first reply without a tool call and score
 it. ``ToolEnv`` is that loop with its parts as arguments — tools, a system prompt, a reward

@@ -103,7 +103,7 @@ Dtype = Literal["float32", "bfloat16"]
 class GRPOConfig:
     """Every setting of a GRPO run. Field table and validation rules: docs/grpo_config.md."""
 
-    # Seed fields: the core settings the seed page's examples pass.
+    # Hosted guide fields: the core settings the hosted guide's examples pass.
     model: str = BUNDLED_MODEL_ID
     """A catalog id (``models.list_models()``) or a local Hugging Face folder. The default,
     the bundled tool-use model, runs on a CPU and needs no download."""
@@ -386,7 +386,7 @@ class GRPOConfig:
     """An env ``reset``/``step``/``close`` that takes longer is an env error. None = no
     limit."""
     env_errors: EnvErrorPolicy = "raise"
-    """``"raise"``: an env error stops the run, naming the task and turn (the seed's
+    """``"raise"``: an env error stops the run, naming the task and turn (the hosted guide's
     behaviour). ``"truncate"``: the episode ends as ``ENV`` and is counted. ``"retry"``: the
     episode is played again from the start with a fresh env, up to ``env_retry_attempts``
     times, then ends as under ``"truncate"``; retries count in ``rollout/env_retries``."""

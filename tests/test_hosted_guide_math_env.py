@@ -114,7 +114,7 @@ class MathEnv(Env):
 # ---- end of the example ----
 # fmt: on
 
-ENV_CLASSES = {"seed example": MathEnv, "packaged": PackagedMathEnv}
+ENV_CLASSES = {"hosted guide example": MathEnv, "packaged": PackagedMathEnv}
 TASK = Task(prompt="What is 17 * (4 + 9)?", target="221")
 
 

@@ -1,4 +1,4 @@
-"""The seed's training example ("Run multi-turn training"), run as it is written.
+"""The hosted guide's training example ("Run multi-turn training"), run as it is written.
 
 Only ``model`` (the tiny random model), ``num_steps`` (2), ``wandb_project`` (None) and
 ``runs_dir`` (a temporary folder) differ from the page. The run writes everything SPEC §5
@@ -23,7 +23,7 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 
 
-def run_seed_example(model, runs_dir, val_every):
+def run_hosted_guide_example(model, runs_dir, val_every):
     tasks = list(TOOL_USE_GAME_TASKS)
 
     config = GRPOConfig(
@@ -100,12 +100,14 @@ def check_run_folder(config, run, tasks, num_val_tasks):
     assert model.config.vocab_size == len(tokenizer)
 
 
-def test_the_seeds_training_example_runs_and_writes_a_complete_run_folder(tiny_llama_dir, tmp_path):
-    config, run, tasks = run_seed_example(tiny_llama_dir, tmp_path / "runs", val_every=50)
+def test_the_hosted_guides_training_example_runs_and_writes_a_complete_run_folder(
+    tiny_llama_dir, tmp_path
+):
+    config, run, tasks = run_hosted_guide_example(tiny_llama_dir, tmp_path / "runs", val_every=50)
     check_run_folder(config, run, tasks, num_val_tasks=len(tasks[::50]))
 
 
 @pytest.mark.heavy
-def test_the_seeds_training_example_validates_on_every_task(tiny_llama_dir, tmp_path):
-    config, run, tasks = run_seed_example(tiny_llama_dir, tmp_path / "runs", val_every=1)
+def test_the_hosted_guides_training_example_validates_on_every_task(tiny_llama_dir, tmp_path):
+    config, run, tasks = run_hosted_guide_example(tiny_llama_dir, tmp_path / "runs", val_every=1)
     check_run_folder(config, run, tasks, num_val_tasks=len(tasks))

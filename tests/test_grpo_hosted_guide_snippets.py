@@ -1,8 +1,8 @@
-"""The seed page's other two calls, made as the page describes them, and training from a
+"""The hosted guide's other two calls, made as the page describes them, and training from a
 notebook (inside a running event loop).
 
 - "To train on your own environment, pass your Task list as tasks and a factory such as
-  ``lambda task: MathEnv()`` as env_factory": the training example's config with the seed's
+  ``lambda task: MathEnv()`` as env_factory": the training example's config with the hosted guide's
   own ``MathEnv`` and no ``val_tasks``.
 - "pass a config like the following to train_multi_turn with your tasks and an environment
   factory": the async config as written, no ``val_tasks``.
@@ -26,7 +26,7 @@ from test_grpo_common import (
     read_jsonl,
     step_metrics,
 )
-from test_seed_math_env import MathEnv
+from test_hosted_guide_math_env import MathEnv
 
 from post_training_cookbook.envs import Task
 from post_training_cookbook.envs.calculator import calculator_tasks
@@ -145,7 +145,7 @@ def test_both_entry_points_train_when_called_inside_a_running_event_loop(
                                   "num_generator_replicas": 2}),
     ],
 )  # fmt: skip
-def test_the_seed_examples_with_their_own_model_ids_fail_here_only_for_want_of_weights(
+def test_the_hosted_guide_examples_with_their_own_model_ids_fail_here_only_for_want_of_weights(
     in_a_fresh_folder: Path, monkeypatch: pytest.MonkeyPatch, model: str, fields: dict
 ) -> None:
     """Exactly the page's configs: on a machine without the weights, the one error names the
