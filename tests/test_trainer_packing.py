@@ -160,6 +160,19 @@ def test_every_loss_gets_the_same_update_from_shared_prefixes(loss_type: str) ->
     assert_same(plain, shared, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_the_sft_loss_is_the_same_packed_and_unpacked(use_lora: bool) -> None:
+    """SFT's conversations go through the same packing: one stream, or shared prefixes once,
+    give the padded rows' loss, gradients and log-probabilities."""
+    model, samples = tiny_model("llama", seed=3), group_samples(seed=3)
+    loss = LossConfig(loss_type="sft")
+    plain, packed, shared = (
+        run(make_trainer(model, use_lora, m), samples, loss, None) for m in MODES
+    )
+    assert_same(plain, packed, rtol=1e-5, atol=1e-6)
+    assert_same(plain, shared, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["bf16_autocast", "bf16_weights"])
 def test_bf16_packed_stays_within_bf16_rounding_of_the_plain_path(precision: str) -> None:
     model, samples = tiny_model("qwen2"), group_samples(seed=3)
