@@ -68,17 +68,11 @@ class EvalSettings:
     def from_config(cls, config: GRPOConfig) -> EvalSettings:
         """The settings of the run's validation: the same limits, ``val_temperature`` and
         ``val_episodes_per_task``, so an evaluation compares with its ``val/`` numbers."""
+        from post_training_cookbook.grpo.settings import episode_limits
+
         return cls(
             episodes_per_task=config.val_episodes_per_task,
-            limits=EpisodeLimits(
-                max_turns=config.max_turns,
-                max_model_length=config.max_model_length,
-                max_tokens_per_turn=config.max_tokens_per_turn,
-                failed_parse_reward=config.failed_parse_reward,
-                env_step_timeout_s=config.env_step_timeout_s,
-                env_errors=config.env_errors,
-                env_retry_attempts=config.env_retry_attempts,
-            ),
+            limits=episode_limits(config),
             temperature=config.val_temperature,
             top_p=config.top_p,
         )

@@ -163,15 +163,7 @@ class RunSettings:
             validation=ValidationSettings(
                 config.val_episodes_per_task, config.sequential_validation, config.seed, shaping
             ),
-            episodes=EpisodeLimits(
-                max_turns=config.max_turns,
-                max_model_length=config.max_model_length,
-                max_tokens_per_turn=config.max_tokens_per_turn,
-                failed_parse_reward=config.failed_parse_reward,
-                env_step_timeout_s=config.env_step_timeout_s,
-                env_errors=config.env_errors,
-                env_retry_attempts=config.env_retry_attempts,
-            ),
+            episodes=episode_limits(config),
             train_sampling=_sampling(config, config.temperature),
             val_sampling=_sampling(config, config.val_temperature),
             service=ServiceSpec(
@@ -231,6 +223,20 @@ def _distill(config: GRPOConfig) -> DistillSettings | None:
         env_advantage=config.distill_env_advantage,
         env_errors=config.env_errors,
         sequences_per_call=per_call,
+    )
+
+
+def episode_limits(config: GRPOConfig) -> EpisodeLimits:
+    """The bounds every episode of the run plays within, and its env error policy (training,
+    validation, and an evaluation that compares with them)."""
+    return EpisodeLimits(
+        max_turns=config.max_turns,
+        max_model_length=config.max_model_length,
+        max_tokens_per_turn=config.max_tokens_per_turn,
+        failed_parse_reward=config.failed_parse_reward,
+        env_step_timeout_s=config.env_step_timeout_s,
+        env_errors=config.env_errors,
+        env_retry_attempts=config.env_retry_attempts,
     )
 
 
