@@ -3,6 +3,7 @@ around ``train_multi_turn``; nothing else of the recipe changes."""
 
 from __future__ import annotations
 
+import json
 import runpy
 from dataclasses import replace
 from pathlib import Path
@@ -44,7 +45,12 @@ def test_the_recipe_runs_two_steps_as_written(recipe, tmp_path, monkeypatch):
     runpy.run_path(str(recipe), run_name="__main__")
     (run,) = runs
     assert (run.final_model_dir / "config.json").is_file()
-    assert len((run.path / "metrics.jsonl").read_text().splitlines()) == 3  # 2 steps + final val
+    records = [json.loads(line) for line in (run.path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "time/step" in r] == [0, 1]  # each step trained once
+    # validation at 0, 1 and after the last step; an async run's background validation that
+    # outlives the step it started in gets a line of its own under that step
+    validated = sorted({r["step"] for r in records if any(k.startswith("val/") for k in r)})
+    assert validated == [0, 1, 2]
 
 
 def test_the_distillation_recipe_runs_two_steps_as_written(tmp_path, monkeypatch):
