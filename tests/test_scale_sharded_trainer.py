@@ -107,7 +107,9 @@ def assert_same_step(
     assert loss.loss == pytest.approx(expected_loss.loss, rel=1e-6, abs=1e-9)
     assert loss.num_tokens == expected_loss.num_tokens
     assert loss.metrics == pytest.approx(expected_loss.metrics, rel=1e-5, abs=1e-7)
-    assert optim.grad_norm == pytest.approx(expected_optim.grad_norm, rel=1e-6)
+    # 1e-5 as the metrics: packed micro-batches (64-token streams) group the samples of one
+    # process otherwise than each rank's share, so fp32 gradients add up in another order
+    assert optim.grad_norm == pytest.approx(expected_optim.grad_norm, rel=1e-5)
     assert optim.version == expected_optim.version and not optim.skipped
 
 
