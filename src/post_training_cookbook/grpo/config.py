@@ -18,7 +18,6 @@ dataclass of 84 fields, each documented once, right under it (a test keeps the c
 from __future__ import annotations
 
 import enum
-import math
 import re
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
@@ -51,7 +50,6 @@ from post_training_cookbook.grpo.validation import (
     device_on_local,
     discount_needs_per_step,
     endpoint_teacher,
-    field_rules,
     folder_name,
     gpus_on_ray,
     groups_in_flight_bound,
@@ -77,6 +75,7 @@ from post_training_cookbook.grpo.validation import (
     transport_on_ray,
     type_problem,
     unknown_key,
+    value_problems,
     vllm_only,
 )
 from post_training_cookbook.models import BUNDLED_MODEL_ID
@@ -398,7 +397,7 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         self._normalise()
         raise_if_any(self._type_problems())
-        raise_if_any(self._value_problems())
+        raise_if_any(value_problems(self))
 
     # Derived values
 
@@ -509,19 +508,6 @@ class GRPOConfig:
             for name, hint in _field_types().items()
             if not matches(getattr(self, name), hint)
         ]
-
-    def _value_problems(self) -> list[str]:
-        problems = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            # Rules for every field of a kind: floats are finite, strings are not empty.
-            if isinstance(value, float) and not math.isfinite(value):
-                problems.append(f"{f.name} must be a finite number, got {value}")
-                continue
-            if isinstance(value, str) and not value.strip():
-                problems.append(f"{f.name} must not be empty (use None where that is allowed)")
-            problems += [p for rule in field_rules(f) if (p := rule(self, f.name, value))]
-        return problems
 
 
 _YAML_HEADER = "# GRPOConfig: load with GRPOConfig.from_yaml; fields in docs/grpo_config.md\n"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 from collections.abc import Callable
@@ -33,6 +34,22 @@ def setting(default: Any, *rules: Rule) -> Any:
 
 def field_rules(field: dataclasses.Field[Any]) -> tuple[Rule, ...]:
     return tuple(field.metadata.get("rules", ()))
+
+
+def value_problems(config: Any) -> list[str]:
+    """Every rule of every field of a config dataclass (``GRPOConfig``, ``SFTConfig``) that
+    its value breaks, after the rules for every field of a kind: floats are finite, strings
+    are not empty."""
+    problems = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            problems.append(f"{f.name} must be a finite number, got {value}")
+            continue
+        if isinstance(value, str) and not value.strip():
+            problems.append(f"{f.name} must not be empty (use None where that is allowed)")
+        problems += [p for rule in field_rules(f) if (p := rule(config, f.name, value))]
+    return problems
 
 
 def at_least(minimum: int, why: str = "", *, or_none: bool = False) -> Rule:

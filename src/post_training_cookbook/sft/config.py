@@ -10,7 +10,6 @@ Building a config never loads the model. This module imports neither torch nor w
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -29,7 +28,6 @@ from post_training_cookbook.grpo.validation import (
     at_most,
     device_name,
     device_on_local,
-    field_rules,
     folder_name,
     gpus_on_ray,
     holds,
@@ -45,6 +43,7 @@ from post_training_cookbook.grpo.validation import (
     sharded_trainer_on_ray,
     type_problem,
     unknown_key,
+    value_problems,
 )
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.service.types import Backend
@@ -168,7 +167,7 @@ class SFTConfig:
             if not matches(getattr(self, name), hint)
         ]
         raise_if_any(problems, "SFTConfig")
-        raise_if_any(self._value_problems(), "SFTConfig")
+        raise_if_any(value_problems(self), "SFTConfig")
 
     def resolved_run_name(self, now: datetime | None = None) -> str:
         if self.run_name is not None:
@@ -225,18 +224,6 @@ class SFTConfig:
             return cls.from_dict({} if data is None else data)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from exc
-
-    def _value_problems(self) -> list[str]:
-        problems = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                problems.append(f"{f.name} must be a finite number, got {value}")
-                continue
-            if isinstance(value, str) and not value.strip():
-                problems.append(f"{f.name} must not be empty (use None where that is allowed)")
-            problems += [p for rule in field_rules(f) if (p := rule(self, f.name, value))]
-        return problems
 
 
 @cache
