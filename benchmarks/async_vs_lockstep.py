@@ -8,7 +8,7 @@ and async with each weight sync type, for the same number of steps, one after th
 in this process, and prints steps/hour, the ratio to lockstep, validation success after
 the last step, and where the time went. Async runs with max_steps_off_policy 2 and 12
 groups in flight by default; ``--max-steps-off-policy 1 --groups-in-flight 8`` is the
-seed's async example, which on 2 cores leaves the generators idle while every episode the
+hosted guide's async example, which on 2 cores leaves the generators idle while every episode the
 next step needs waits on a tool (docs/async.md has both tables). The latency stands in for
 real tools (sandboxes, APIs): lockstep waits for it, async overlaps it with training. Run it
 on an otherwise idle machine: other processes take the CPU that async would fill while

@@ -1,4 +1,4 @@
-"""How truncated episodes are scored and trained ("Handle truncated episodes" in the seed).
+"""How truncated episodes are scored and trained ("Handle truncated episodes" in the hosted guide).
 
 The first tests score hand-made episodes with ``grpo.advantages`` (numbers checkable by
 hand); the last ones run each truncation cause through ``train_multi_turn`` with a scripted

@@ -245,21 +245,21 @@ def test_packaged_env_agrees_with_the_example_on_rewards_endings_and_tool_errors
     ]
     script = script[: next((i + 1 for i, m in enumerate(script) if "tool_calls" not in m), None)]
     task = Task(prompt="?", target=target)
-    seed_results = play(MathEnv(), task, script)
+    guide_results = play(MathEnv(), task, script)
     packaged_results = play(PackagedMathEnv(), task, script)
-    for seed, packaged in zip(seed_results, packaged_results, strict=True):
-        assert (seed.terminated, seed.truncated, seed.reward) == (
+    for guide, packaged in zip(guide_results, packaged_results, strict=True):
+        assert (guide.terminated, guide.truncated, guide.reward) == (
             packaged.terminated,
             packaged.truncated,
             packaged.reward,
         )
-        assert len(seed.messages) == len(packaged.messages)
-        for ours, theirs in zip(seed.messages, packaged.messages, strict=True):
+        assert len(guide.messages) == len(packaged.messages)
+        for ours, theirs in zip(guide.messages, packaged.messages, strict=True):
             assert ours["role"] == theirs["role"]
             if ours["role"] != "tool":
                 continue
             assert ours["tool_call_id"] == theirs["tool_call_id"]
-            seed_text, packaged_text = ours.get("content", ""), theirs.get("content", "")
-            assert seed_text.startswith("tool_error: ") == packaged_text.startswith("tool_error: ")
-            if not seed_text.startswith("tool_error: "):  # same number; ours prints 2.0 as 2
-                assert float(seed_text) == pytest.approx(float(packaged_text))
+            guide_text, packaged_text = ours.get("content", ""), theirs.get("content", "")
+            assert guide_text.startswith("tool_error: ") == packaged_text.startswith("tool_error: ")
+            if not guide_text.startswith("tool_error: "):  # same number; ours prints 2.0 as 2
+                assert float(guide_text) == pytest.approx(float(packaged_text))

@@ -105,6 +105,30 @@ def test_the_checker_parses_imports_it_must_refuse() -> None:
     assert height["service/"] < height["grpo/"] < height["cli/"]
 
 
+def top_level_definitions(name: str) -> list[str]:
+    """``module:line`` for every top-level assignment or class of ``name`` in the package."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            elif isinstance(node, ast.ClassDef):
+                names = [node.name]
+            else:
+                names = []
+            if name in names:
+                found.append(f"{module}:{node.lineno}")
+    return found
+
+
+def test_env_factory_is_defined_once_in_the_env_contract() -> None:
+    """Every module names the one ``EnvFactory`` of ``envs/base.py``, importing it."""
+    found = top_level_definitions("EnvFactory")
+    assert [where.split(":")[0] for where in found] == ["post_training_cookbook.envs.base"], found
+
+
 # ---------------------------------------------------------------- the path to env.reset
 
 

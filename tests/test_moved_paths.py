@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
 import pytest
@@ -49,3 +50,38 @@ def test_service_package_names_moved_records_and_keeps_its_own() -> None:
     assert service.WeightSyncType.parse("pipeline").value == "pipeline"
     with pytest.raises(AttributeError):
         service.NoSuchThing  # noqa: B018
+
+
+def test_old_endpoints_module_is_the_openai_api_module_and_warns() -> None:
+    old, new = "post_training_cookbook.endpoints", "post_training_cookbook.openai_api"
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+
+
+MOVED_NAMES = [
+    ("envs", "LocalJudge", "evaluation.local_judge"),
+    ("envs.judge", "LocalJudge", "evaluation.local_judge"),
+    ("models", "infer_codec_name", "codecs.inference"),
+    ("models.catalog", "infer_codec_name", "codecs.inference"),
+]
+
+
+@pytest.mark.parametrize(("old_module", "name", "new_module"), MOVED_NAMES)
+def test_old_name_warns_naming_the_new_path_and_is_the_same_object(
+    old_module: str, name: str, new_module: str
+) -> None:
+    old = importlib.import_module(f"post_training_cookbook.{old_module}")
+    new = importlib.import_module(f"post_training_cookbook.{new_module}")
+    message = f"{old.__name__}.{name} moved to {new.__name__}.{name}"
+    with pytest.warns(DeprecationWarning, match=re.escape(message)):
+        moved = getattr(old, name)
+    assert moved is getattr(new, name)
+
+
+@pytest.mark.parametrize("old_module", ["envs", "envs.judge", "models", "models.catalog"])
+def test_modules_with_moved_names_still_refuse_unknown_ones(old_module: str) -> None:
+    module = importlib.import_module(f"post_training_cookbook.{old_module}")
+    with pytest.raises(AttributeError, match="NoSuchThing"):
+        module.NoSuchThing  # noqa: B018

@@ -11,7 +11,7 @@ keys (vLLM's format; ``post-training-cookbook serve`` answers the same). A choic
 entries do not name the student's own token ids is another tokenizer's: refused, naming both.
 
 Requests run ``max_concurrency`` at a time, each under ``timeout_s``, and a failure worth
-another try (a timeout, a dropped connection, 408, 409, 429, 5xx: ``endpoints.py``'s rule) is
+another try (a timeout, a dropped connection, 408, 409, 429, 5xx: ``openai_api.py``'s rule) is
 retried up to ``retries`` times with a short backoff. What still fails raises
 ``TeacherCallError``; the loop applies ``env_errors`` to it.
 """

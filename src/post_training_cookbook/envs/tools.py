@@ -18,13 +18,13 @@ renders the tool exactly as those do::
 and still callable as a function. ``execute`` checks the model's arguments against the schema
 before the function runs, so a function never sees a missing or mistyped argument; a bad call
 raises ``ValueError`` with a message the model can act on, and the env (``ToolEnv``, or the
-seed's ``except`` around ``execute``) reports it to the model. A sync function runs in a daemon
-thread of its own, so a slow one does not stall the other episodes and one that never returns
-is left behind when the step times out (``envs/tool_calls.py``; ``isolated=True`` runs each
-call in a child process that can be killed); an async one is awaited, and one that blocks the
-event loop for more than ``MAX_BLOCKING_S`` (``time.sleep`` in an ``async def``) has its call
-reported as a tool error naming the stall. What a function raises, ``SystemExit`` and other
-``BaseException`` s included, is a tool error, never the end of the run.
+hosted guide's ``except`` around ``execute``) reports it to the model. A sync function runs in
+a daemon thread of its own, so a slow one does not stall the other episodes and one that never
+returns is left behind when the step times out (``envs/tool_calls.py``; ``isolated=True`` runs
+each call in a child process that can be killed); an async one is awaited, and one that blocks
+the event loop for more than ``MAX_BLOCKING_S`` (``time.sleep`` in an ``async def``) has its
+call reported as a tool error naming the stall. What a function raises, ``SystemExit`` and
+other ``BaseException`` s included, is a tool error, never the end of the run.
 
 Methods work too: ``@function_tool`` on a method of a ``ToolEnv`` subclass makes it one of
 that env's tools, bound to the episode's env (TRL's ``environment_factory`` pattern: state

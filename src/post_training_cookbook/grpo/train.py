@@ -183,7 +183,7 @@ async def open_run(
         if config.resume:
             resumed, notes = await resume_from_checkpoint(directory, service)
         # Loaded: only now does anything in the run folder change. W&B starts here too, as the
-        # seed's page says: a run without a W&B setup fails after it provisions the model.
+        # hosted guide says: a run without a W&B setup fails after it provisions the model.
         notes += directory.start(config, resumed)
         wandb = WandbLogger(
             config.wandb_project, name, str(directory.path), config.to_dict(), resume=config.resume

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.files import BadFileError, check_safetensors, read_json_object
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 
@@ -321,3 +322,9 @@ def _with(info: ModelInfo, **changes: Any) -> ModelInfo:
     from dataclasses import replace
 
     return replace(info, **changes)
+
+
+def __getattr__(name: str) -> object:
+    if name == "infer_codec_name":  # moved to the codecs, which own their formats
+        return moved_name(__name__, name, "post_training_cookbook.codecs.inference")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,6 +51,11 @@ from post_training_cookbook.rollout.types import (
     TruncationCause,
 )
 
+# Not kept as a deprecated alias: ``with_retries(limits, params, seed, play_once)``, removed
+# when ``run_episode`` became the one episode frame. It retried any ``play_once`` callback;
+# ``run_episode(task, runner, params, seed)`` retries inside itself, building each try's env
+# from the runner, so it cannot serve the old signature, and no other function now does.
+
 __all__ = [
     "ENV_ERROR_POLICIES",
     "ChatDriver",

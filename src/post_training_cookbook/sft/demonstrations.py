@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from post_training_cookbook.engine.types import SamplingParams
-from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.evaluation.hosted import HostedModel
 from post_training_cookbook.evaluation.results import EvalSettings
 from post_training_cookbook.files import write_text_atomic
@@ -30,8 +30,6 @@ from post_training_cookbook.rollout.guards import env_property
 from post_training_cookbook.sft.data import Conversation, check_messages
 from post_training_cookbook.sync import run_sync
 from post_training_cookbook.types import Message, ToolSpec
-
-EnvFactory = Callable[[Task], Env]
 
 
 @runtime_checkable
