@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,8 +31,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
+from spawned_ranks import spawn_ranks
 from test_scale_common import FP32_BOUND, max_abs_diff, scale
 from transformers import AutoModelForCausalLM
 
@@ -286,11 +285,8 @@ def variant_settings(variant: str) -> TrainerSettings:
 
 
 def two_process_step(model: Path, variant: str, folder: Path) -> dict[str, Any]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
     out = folder / "rank0.pt"
-    mp.spawn(variant_rank, args=(address, str(model), variant, str(out)), nprocs=2)
+    spawn_ranks(variant_rank, (str(model), variant, str(out)))
     result: dict[str, Any] = torch.load(out, weights_only=False)
     return result
 

@@ -1,15 +1,15 @@
-"""Packed micro-batches on a sharded trainer: how they are split across ranks, and (heavy)
-two FSDP2 ranks over loopback gloo, started here without Ray, taking the step of one plain
-process (``packing.split_packed_across_ranks``)."""
+"""Packed micro-batches on a sharded trainer: how they are split across ranks, and (in the
+scale step) two FSDP2 ranks over loopback gloo, started here without Ray, taking the step of
+one plain process, full weight and LoRA with gradient checkpointing, with the KL reference
+(``packing.split_packed_across_ranks``)."""
 
 from __future__ import annotations
 
-import socket
-from typing import Any
+from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned_ranks import spawn_ranks
 from test_trainer_packing import group_samples, moved_weights, tiny_model
 
 from post_training_cookbook.trainer.packing import (
@@ -53,20 +53,22 @@ def test_ranks_still_share_prefixes_and_each_cut_costs_at_most_one_prefix_again(
     assert shared < stream_tokens(samples, 4096, "packed")  # prompts are still shared
 
 
-def _rank(rank: int, address: str, mode: str, results: Any) -> None:
+def _rank(rank: int, address: str, mode: str, lora: bool, out: str) -> None:
     torch.set_num_threads(1)
-    trainer = _trainer(mode, TrainerGroup(rank, 2, address, timeout_s=120.0))
-    results.put((rank, *_step(trainer)))
+    trainer = _trainer(mode, TrainerGroup(rank, 2, address, timeout_s=120.0), lora)
+    torch.save((rank, *_step(trainer)), f"{out}/rank{rank}.pt")
     trainer.close()
 
 
-def _trainer(mode: str, group: TrainerGroup | None) -> Trainer:
+def _trainer(mode: str, group: TrainerGroup | None, lora: bool = False) -> Trainer:
+    """Full weight, or LoRA with gradient checkpointing; the KL reference either way."""
     model = tiny_model("qwen2")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             parameter.copy_(moved_weights(tiny_model("qwen2"))[name])
     return Trainer(
-        model, use_lora=False, autocast_bf16=False, reference_model=True, seed=1,
+        model, use_lora=lora, gradient_checkpointing=lora, autocast_bf16=False,
+        reference_model=True, seed=1,
         micro_batch_tokens=40, packing=mode != "off", shared_prefix=mode == "shared_prefix",
         group=group,
     )  # fmt: skip
@@ -80,22 +82,15 @@ def _step(trainer: Trainer) -> tuple[float, float, list[list[float]]]:
     return loss, grad_norm, logprobs
 
 
-@pytest.mark.heavy
+@pytest.mark.scale  # the sharded trainer's step (scripts/test_scale.sh), without Ray
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-checkpointed"])
 @pytest.mark.parametrize("mode", ["packed", "shared_prefix"])
-def test_two_sharded_ranks_with_packing_take_the_step_of_one_plain_process(mode: str) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    ranks = [context.Process(target=_rank, args=(r, address, mode, results)) for r in (0, 1)]
-    for process in ranks:
-        process.start()
-    gathered = sorted(results.get(timeout=150) for _ in ranks)
-    for process in ranks:
-        process.join(timeout=60)
-        assert process.exitcode == 0
-    plain = _trainer("off", None)
+def test_two_sharded_ranks_with_packing_take_the_step_of_one_plain_process(
+    mode: str, lora: bool, tmp_path: Path
+) -> None:
+    spawn_ranks(_rank, (mode, lora, str(tmp_path)))
+    gathered = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    plain = _trainer("off", None, lora)
     assert plain.packing_mode == "off"
     loss, grad_norm, logprobs = _step(plain)
     for _, rank_loss, rank_norm, rank_logprobs in gathered:
