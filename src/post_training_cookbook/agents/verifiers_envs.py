@@ -29,6 +29,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
@@ -245,6 +246,7 @@ class _Worker:
             text=True,
             encoding="utf-8",
             env=env,
+            start_new_session=True,  # its group: verifiers' processes go with it on close
         )
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
         self.pending: dict[int, Future[Any]] = {}
@@ -292,9 +294,10 @@ class _Worker:
                 with contextlib.suppress(OSError):
                     self.process.stdin.close()
         try:
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=10)  # it finishes the requests it has, then ends
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
 
     def _read_answers(self) -> None:
