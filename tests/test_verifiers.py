@@ -61,12 +61,12 @@ def verifiers_envs(name, worker_env):
     )
 
 
-def train_config(tmp_path, name, max_tokens_per_turn=48):
+def train_config(tmp_path, name, episodes_per_task=2, max_tokens_per_turn=48):
     return GRPOConfig(
         model=BUNDLED_MODEL_ID, runs_dir=str(tmp_path), run_name=name, wandb_project=None,
-        batch_size=2, episodes_per_task=2, num_steps=2, max_turns=4, max_model_length=1024,
-        max_tokens_per_turn=max_tokens_per_turn, learning_rate=1e-4, validation_interval=0,
-        checkpoint_interval=0, failed_parse_reward=FAILED_PARSE_REWARD,
+        batch_size=2, episodes_per_task=episodes_per_task, num_steps=2, max_turns=4,
+        max_model_length=1024, max_tokens_per_turn=max_tokens_per_turn, learning_rate=1e-4,
+        validation_interval=0, checkpoint_interval=0, failed_parse_reward=FAILED_PARSE_REWARD,
     )  # fmt: skip
 
 
@@ -98,7 +98,9 @@ def test_reverse_text_trains_two_grpo_steps_and_evaluates_with_its_rubrics_rewar
         tasks = env_factory.tasks()
         assert [t.prompt for t in tasks][:2] == ["hello world", "policy server"]
         assert tasks[0].target == "dlrow olleh"
-        run = train_multi_turn(train_config(tmp_path, "reverse_text"), tasks[:2], env_factory)
+        # 4 episodes a task: a group whose replies all parse, or all fail to, trains nothing
+        config = train_config(tmp_path, "reverse_text", episodes_per_task=4)
+        run = train_multi_turn(config, tasks[:2], env_factory)
         metrics = step_metrics(run.path)
         assert sorted(metrics) == [0, 1]
         assert_trained_as_sampled(batches.batches, samples)  # it trained, token-exact
