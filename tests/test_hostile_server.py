@@ -123,6 +123,8 @@ BODY = st.fixed_dictionaries(
         "n": st.integers(-1, 2) | JSON, "stop": TEXT | st.lists(TEXT, max_size=5) | JSON,
         "seed": st.integers(-(2**65), 2**65) | JSON, "logprobs": st.booleans() | JSON,
         "stream": st.booleans() | JSON, "tool_choice": st.just("auto") | JSON, "model": JSON,
+        "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()
+                                                              | JSON}) | JSON,
     },
 )  # fmt: skip
 

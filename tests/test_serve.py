@@ -167,7 +167,7 @@ def test_n_logprobs_max_tokens_and_stop(server, served):
 @pytest.mark.parametrize(
     ("arguments", "param"),
     [
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
         ({"frequency_penalty": 0.5}, "frequency_penalty"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"temperature": 3.0}, "temperature"),

@@ -144,6 +144,17 @@ class AgentEnv(DrivenEnv):
     def messages(self) -> list[Message]:
         return list(self.transcript)
 
+    async def run_agent(
+        self, base_url: str, api_key: str, task: Task
+    ) -> tuple[Any, EnvFault | None]:
+        """Run the agent on its episode's route: what it returned, or the ``EnvFault`` it
+        failed with."""
+        return await _run_agent(self.envs, base_url, api_key, task)
+
+    def episode_metrics(self) -> dict[str, float]:
+        """Metrics of the episode besides the adapter's (``rollout/env/…`` in a run)."""
+        return {}
+
 
 @dataclass(frozen=True)
 class AgentDriver:
@@ -172,9 +183,7 @@ class AgentDriver:
         server = env.envs.server()
         route = server.open_episode(endpoint)
         try:
-            returned, failure = await _run_agent(
-                env.envs, route.base_url, route.api_key, episode.task
-            )
+            returned, failure = await env.run_agent(route.base_url, route.api_key, episode.task)
         finally:
             server.close_episode(route.episode_id)
             endpoint.close()
@@ -198,14 +207,16 @@ class AgentDriver:
             "agent_requests": float(endpoint.requests),
             "agent_segments": float(number_of_segments),
             "agent_history_breaks": float(endpoint.history_breaks),
+            **env.episode_metrics(),
         }
 
 
 async def _run_agent(
-    envs: AgentEnvs, base_url: str, api_key: str, task: Task
+    envs: AgentEnvs, base_url: str, api_key: str, task: Task, agent: Agent | None = None
 ) -> tuple[Any, EnvFault | None]:
-    """What the agent returned, or the ``EnvFault`` it failed with."""
-    agent, timeout_s = envs.agent, envs.timeout_s
+    """What the agent (``envs.agent`` unless given) returned, or the ``EnvFault`` it failed
+    with."""
+    agent, timeout_s = agent or envs.agent, envs.timeout_s
     try:
         if _is_async(agent):
             running = agent(base_url, api_key, task)

@@ -1,6 +1,7 @@
 """The HTTP face of the policy server: routes, the bearer token, and the bounds on requests.
 
-Routes (every answer JSON; errors in the API's format with their status codes):
+Routes (every answer JSON, but a ``stream: true`` completion's, which is server-sent events;
+errors in the API's format with their status codes):
 
     POST /v1/chat/completions                     the served model (``serve``)
     POST /v1/completions                          prompt log-probabilities (``prompt_scores``)
@@ -33,7 +34,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from post_training_cookbook.serve.policy import Endpoint
@@ -44,6 +45,7 @@ from post_training_cookbook.serve.wire import (
     decode_json,
     error_body,
     parse_chat_request,
+    stream_chunks,
 )
 
 log = logging.getLogger(__name__)
@@ -85,13 +87,13 @@ class Routes:
 
 
 def build_app(routes: Routes) -> Starlette:
-    async def completions(request: Request) -> JSONResponse:
+    async def completions(request: Request) -> Response:
         return await _answer(request, routes, lambda: _default(routes, request))
 
-    async def prompt_scores(request: Request) -> JSONResponse:
+    async def prompt_scores(request: Request) -> Response:
         return await _answer(request, routes, lambda: _default(routes, request), scores=True)
 
-    async def episode_completions(request: Request) -> JSONResponse:
+    async def episode_completions(request: Request) -> Response:
         return await _answer(request, routes, lambda: _episode(routes, request))
 
     async def models(request: Request) -> JSONResponse:
@@ -129,9 +131,7 @@ def build_app(routes: Routes) -> Starlette:
     )
 
 
-async def _answer(
-    request: Request, routes: Routes, find: Any, *, scores: bool = False
-) -> JSONResponse:
+async def _answer(request: Request, routes: Routes, find: Any, *, scores: bool = False) -> Response:
     try:
         endpoint: Endpoint = find()  # the key first: without it, nothing is read or held
         limits = routes.limits
@@ -160,7 +160,11 @@ async def _answer(
                 return JSONResponse(await score_prompts(endpoint.model, asked))
             # off the event loop: a 4 MB body takes a while to decode and check
             chat = await asyncio.to_thread(_parsed, raw, limits.max_n)
-            return JSONResponse(await endpoint.complete(chat))
+            answer = await endpoint.complete(chat)
+            if chat.stream:  # computed whole, sent as the events a streaming client reads
+                events = stream_chunks(answer, include_usage=chat.include_usage)
+                return Response(events, media_type="text/event-stream")
+            return JSONResponse(answer)
         finally:
             routes.in_flight -= 1
     except ApiError as error:

@@ -5,9 +5,11 @@ Pure data, no HTTP and no model: the server (``app.py``) speaks through here; wh
 server and the cookbook's clients share (``message_to_api``) is in ``openai_api.py``. A
 request is only ever read as JSON and checked field by field; nothing in it is evaluated.
 Fields that would change sampling in a way the server cannot honour (penalties, logit bias,
-structured output, streaming, forced tool choice, top logprobs) are refused with a 400 that
-names them; fields that do not change what is sampled (``user``, ``metadata``, ``store``,
-``parallel_tool_calls``...) are ignored.
+structured output, forced tool choice, top logprobs) are refused with a 400 that names them;
+``stream: true`` is answered as server-sent events (``stream_chunks``): the completion is
+computed whole, then written as the chunks a streaming client reads; fields that do not
+change what is sampled (``user``, ``metadata``, ``store``, ``parallel_tool_calls``...) are
+ignored.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = False
+    stream: bool = False
+    """Answer as server-sent events (``stream_chunks``) rather than one JSON body."""
+    include_usage: bool = False
+    """``stream_options.include_usage``: a last chunk carries ``usage``."""
 
 
 def parse_chat_request(body: Any, *, max_n: int = 16) -> ChatRequest:
@@ -95,6 +101,7 @@ def parse_chat_request(body: Any, *, max_n: int = 16) -> ChatRequest:
     max_tokens_name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     max_tokens = body.get(max_tokens_name)
     seed = body.get("seed")
+    stream, include_usage = _stream(body)
     return ChatRequest(
         messages=messages,
         tools=tools,
@@ -106,12 +113,31 @@ def parse_chat_request(body: Any, *, max_n: int = 16) -> ChatRequest:
         stop=_stop(body.get("stop")),
         seed=None if seed is None else _integer(seed, "seed", low=-(2**63), high=2**64 - 1),
         logprobs=bool(_optional(body, "logprobs", bool)),
+        stream=stream,
+        include_usage=include_usage,
     )
 
 
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """``stream`` and ``stream_options.include_usage``; ``stream_options`` only with
+    ``stream: true``, as the API has it."""
+    stream = bool(_optional(body, "stream", bool))
+    options = _optional(body, "stream_options", dict)
+    if options is None:
+        return stream, False
+    if not stream:
+        raise ApiError(
+            400, "stream_options is only allowed with stream: true", param="stream_options"
+        )
+    include_usage = options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError(
+            400, "stream_options.include_usage must be a boolean", param="stream_options"
+        )
+    return stream, bool(include_usage)
+
+
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("stream"):
-        raise ApiError(400, "stream=true is not supported: ask without streaming", param="stream")
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise ApiError(400, f"{name} is not supported (sampling is the policy's)", param=name)
@@ -205,6 +231,37 @@ def choice_body(
         "finish_reason": finish_reason,
         "logprobs": None if logprobs is None else {"content": logprobs, "refusal": None},
     }
+
+
+def stream_chunks(body: dict[str, Any], *, include_usage: bool) -> bytes:
+    """A whole ``chat.completion`` (``completion_body``) as the server-sent events of a
+    streamed one: per choice, a chunk whose delta is the whole message (tool calls with
+    their ``index``) and a chunk with its ``finish_reason``; then, with ``include_usage``, a
+    chunk with no choices and the usage; then ``data: [DONE]``."""
+    head = {
+        "id": body["id"],
+        "object": "chat.completion.chunk",
+        "created": body["created"],
+        "model": body["model"],
+        "system_fingerprint": body["system_fingerprint"],
+    }
+    usage: dict[str, Any] = {"usage": None} if include_usage else {}
+    chunks: list[dict[str, Any]] = []
+    for choice in body["choices"]:
+        delta = {k: v for k, v in choice["message"].items() if k != "tool_calls"}
+        if choice["message"].get("tool_calls"):
+            delta["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(choice["message"]["tool_calls"])
+            ]
+        first = {"index": choice["index"], "delta": delta, "finish_reason": None}
+        first["logprobs"] = choice["logprobs"]
+        last = {"index": choice["index"], "delta": {}, "finish_reason": choice["finish_reason"]}
+        last["logprobs"] = None
+        chunks += [{**head, "choices": [first], **usage}, {**head, "choices": [last], **usage}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": body["usage"]})
+    events = [f"data: {json.dumps(chunk)}\n\n".encode() for chunk in chunks]
+    return b"".join(events) + b"data: [DONE]\n\n"
 
 
 def decode_json(raw: bytes) -> Any:

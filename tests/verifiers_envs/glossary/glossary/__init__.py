@@ -1,0 +1,3 @@
+from glossary.taskset import GlossaryTaskset
+
+__all__ = ["GlossaryTaskset"]
