@@ -5,13 +5,21 @@ prompts keep at most ``prefix_cache_bytes`` of KV (the 256-entry bound alone let
 from __future__ import annotations
 
 import asyncio
+import re
 
 import numpy as np
+import pytest
 import torch
+from test_grpo_common import quick_config
 
 from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry, default_max_bytes
 from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.models import resolve_model
+from post_training_cookbook.service import LocalModelService, open_service
+from post_training_cookbook.service.ray_actors import EngineSpec, build_engine
 
 
 def entry(first: int, length: int, version: int = 0) -> PrefixEntry:
@@ -82,3 +90,59 @@ def test_a_served_model_takes_its_prefix_cache_bound() -> None:
         assert engine._decoder.prefix_cache.max_bytes == default_max_bytes(torch.device("cpu"))
     finally:
         engine.shutdown()
+
+
+def run_engines_cache_bounds(model_dir, tmp_path, **fields) -> list[int | None]:
+    """The prefix cache bound of each generator of the service a run of ``fields`` opens."""
+    config = quick_config(model_dir, tmp_path, num_generator_replicas=2, **fields)
+    spec = RunSettings.from_config(config, resolve_model(config.model, codec="hermes")).service
+
+    async def scenario() -> list[int | None]:
+        service = await open_service(spec)
+        try:
+            assert isinstance(service, LocalModelService)
+            return [engine._decoder.prefix_cache.max_bytes for engine in service.engines]
+        finally:
+            await service.close()
+
+    return asyncio.run(scenario())
+
+
+def test_a_training_run_s_engines_take_the_configured_prefix_cache_bytes(
+    tiny_llama_dir, tmp_path
+) -> None:
+    configured = run_engines_cache_bounds(tiny_llama_dir, tmp_path, prefix_cache_bytes=12_345)
+    assert configured == [12_345, 12_345]
+    default = run_engines_cache_bounds(tiny_llama_dir, tmp_path)
+    assert default == [default_max_bytes(torch.device("cpu"))] * 2
+
+
+def test_a_ray_generator_s_torch_engine_takes_the_configured_bound(tiny_llama_dir) -> None:
+    spec = EngineSpec(kind="torch", source=str(tiny_llama_dir), dtype="float32",
+                      prefix_cache_bytes=4096)  # fmt: skip
+    engine = build_engine(spec)
+    try:
+        assert engine._decoder.prefix_cache.max_bytes == 4096
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"prefix_cache_bytes": -1}, "prefix_cache_bytes must be >= 0 or None, got -1"),
+        ({"prefix_cache_bytes": 1.5e9}, "prefix_cache_bytes"),
+        ({"prefix_cache_bytes": "1GB"}, "prefix_cache_bytes"),
+        (
+            {"prefix_cache_bytes": 2**20, "generation_engine": "vllm"},
+            "prefix_cache_bytes bounds the torch engine's prefix cache",
+        ),
+    ],
+)
+def test_a_bad_prefix_cache_bytes_is_refused_naming_it(fields, problem) -> None:
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        GRPOConfig(**fields)
+
+
+def test_zero_prefix_cache_bytes_is_a_valid_setting() -> None:
+    assert GRPOConfig(prefix_cache_bytes=0).prefix_cache_bytes == 0

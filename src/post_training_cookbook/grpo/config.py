@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 84 fields, each documented once, right under it (a test keeps the count).
+dataclass of 85 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ from post_training_cookbook.grpo.validation import (
     sharded_trainer_on_ray,
     teacher_source,
     tensor_parallel_fits,
+    torch_engine_only,
     transport_on_ray,
     type_problem,
     unknown_key,
@@ -318,6 +319,11 @@ class GRPOConfig:
     """The generators' sampling engine: ``"torch"`` (``LocalEngine``), ``"vllm"`` (extra
     ``scale``; with ``backend="local"`` one engine beside the trainer), or ``"auto"``: the
     catalog's first engine for the model (torch where it can sample it, else vLLM)."""
+    prefix_cache_bytes: int | None = setting(None, at_least(0, or_none=True), torch_engine_only)
+    """Bytes of KV each torch generator keeps in its prefix cache (finished sequences whose
+    prefix a later prompt reuses), least recently used first out. None: a share of the
+    device's memory (1/16 of the machine's RAM, at most 2 GiB, on CPU; 1/10 of a GPU's). 0
+    keeps none. vLLM manages its own KV cache."""
     ray_address: str | None = setting(None, only_when(on_ray, RAY_ADDRESS_NEEDS_RAY))
     """Ray cluster to join (``host:port``); None starts a local, loopback-only Ray."""
     weight_sync_timeout_s: float = setting(600.0, positive)

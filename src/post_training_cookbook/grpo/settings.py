@@ -190,6 +190,7 @@ class RunSettings:
                 num_generator_replicas=config.num_generator_replicas,
                 engine_dtype=config.dtype,
                 max_model_length=config.max_model_length,
+                prefix_cache_bytes=config.prefix_cache_bytes,
                 ray_address=config.ray_address,
                 weight_sync_timeout_s=config.weight_sync_timeout_s,
                 device=config.device,

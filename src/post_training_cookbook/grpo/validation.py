@@ -310,6 +310,15 @@ def vllm_only(config: GRPOConfig, name: str, value: Any) -> str | None:
     return f'{name} applies to generation_engine="vllm" (or "auto" picking vLLM)'
 
 
+def torch_engine_only(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value is None or config.generation_engine != "vllm":
+        return None
+    return (
+        f'{name} bounds the torch engine\'s prefix cache; generation_engine="vllm" manages its '
+        "own KV cache (vllm_gpu_memory_utilization)"
+    )
+
+
 def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | None:
     if value > 1 and not on_ray(config):
         return f'vllm_tensor_parallel_size={value} needs backend="ray" (a generator actor)'
