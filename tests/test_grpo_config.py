@@ -304,6 +304,7 @@ def non_default_config() -> GRPOConfig:
         teacher_timeout_s=10.0,
         teacher_retries=1,
         teacher_max_concurrency=4,
+        teacher_max_response_bytes=50_000_000,
         teacher_sequences_per_call=2,
         clip_low=0.1,
         clip_high=0.28,

@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 85 fields, each documented once, right under it (a test keeps the count).
+dataclass of 86 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from post_training_cookbook.grpo.validation import (
     IN_UNIT_INTERVAL,
     RAY_ADDRESS_NEEDS_RAY,
     TEACHER_MODEL_RULE,
+    TEACHER_RESPONSE_RULE,
     TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
@@ -282,6 +283,12 @@ class GRPOConfig:
     this many times; what still fails follows ``env_errors``."""
     teacher_max_concurrency: int = setting(8, at_least(1))
     """An endpoint teacher's requests in flight at once."""
+    teacher_max_response_bytes: int | None = setting(
+        None, at_least(1, or_none=True), only_when(endpoint_teacher, TEACHER_RESPONSE_RULE)
+    )
+    """An endpoint teacher's answer is read up to this many bytes; a longer one fails (not
+    retried) and follows ``env_errors``. None: 1,000 bytes a token sent (vLLM writes about
+    100), at least 1 MB."""
     teacher_sequences_per_call: int | None = setting(None, at_least(1, or_none=True))
     """Samples scored per teacher call. None: the whole batch at once for a local teacher
     (micro-batched as the student's), 8 a request for an endpoint."""

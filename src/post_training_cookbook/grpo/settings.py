@@ -256,6 +256,7 @@ def _teacher(config: GRPOConfig) -> TeacherSpec | None:
         timeout_s=config.teacher_timeout_s,
         retries=config.teacher_retries,
         max_concurrency=config.teacher_max_concurrency,
+        max_response_bytes=config.teacher_max_response_bytes,
     )
 
 

@@ -204,6 +204,9 @@ def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | 
 
 
 TEACHER_MODEL_RULE = "teacher_model names an endpoint teacher's model: set teacher to its URL"
+TEACHER_RESPONSE_RULE = (
+    "teacher_max_response_bytes bounds an endpoint teacher's answers: set teacher to its URL"
+)
 
 
 def endpoint_teacher(config: GRPOConfig) -> bool:
