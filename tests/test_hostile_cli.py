@@ -1,7 +1,7 @@
 """The command line on hostile input: each case one plain line on stderr, exit status 2, no
-traceback (run folders with a damaged final model, env modules that do not import, --set
-values that are not YAML, model folders with wrongly typed configs, ports out of range or in
-use, metrics with null steps, no command at all)."""
+traceback (run folders with a damaged final model or checkpoint, env modules that do not
+import, --set values that are not YAML, model folders with wrongly typed configs, ports out
+of range or in use, metrics with null steps, no command at all)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,40 @@ def test_eval_and_serve_of_a_damaged_final_model_name_the_file(capsys, tmp_path,
     words = damage(run)
     arguments = [command, run, *(EVAL_ARGS if command == "eval" else ["--port", "0"])]
     assert_one_line(*run_cli(capsys, *arguments)[::2], words)
+
+
+def cut_checkpoint(run: Path) -> str:
+    weights = run / "checkpoints" / "step_000001" / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return "trainable.safetensors: changed since it was saved"
+
+
+def cut_old_checkpoint(run: Path) -> str:
+    """A checkpoint of a version that wrote no manifest: the loader itself names the file."""
+    (run / "checkpoints" / "step_000001" / "manifest.json").unlink()
+    cut_checkpoint(run)
+    return "trainable.safetensors: cut short"
+
+
+def garble_checkpoint(run: Path) -> str:
+    weights = run / "checkpoints" / "step_000001" / "trainable.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = bytes(byte ^ 0xFF for byte in data[-64:])  # same size: only the checksum tells
+    weights.write_bytes(bytes(data))
+    return "trainable.safetensors: changed since it was saved"
+
+
+@pytest.mark.parametrize("command", ["eval", "serve"])
+@pytest.mark.parametrize(
+    "damage", [cut_checkpoint, cut_old_checkpoint, garble_checkpoint],
+    ids=["cut", "cut-no-manifest", "garbled"],
+)  # fmt: skip
+def test_eval_and_serve_of_a_damaged_checkpoint_name_the_file(capsys, tmp_path, command, damage):
+    run = run_copy(tmp_path)
+    words = damage(run)
+    arguments = [command, run, "--step", "1"]
+    arguments += EVAL_ARGS if command == "eval" else ["--port", "0"]
+    assert_one_line(*run_cli(capsys, *arguments)[::2], words, "step_000001")
 
 
 def test_an_env_module_with_a_syntax_error_is_named(capsys, tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
-"""A judge endpoint that answers with a huge body: the judgement fails once the body passes
-``max_response_bytes`` (an env error under the policy), and nothing past it is held."""
+"""A judge, hosted model or endpoint teacher that answers with a huge body: the call fails
+once the body passes ``max_response_bytes`` (for the judge an env error, for the teacher a
+failed call, under the policy), not retried, and nothing past it is held."""
 
 from __future__ import annotations
 
@@ -75,3 +76,106 @@ def test_a_hosted_models_answer_past_max_response_bytes_is_an_endpoint_error() -
         endpoint.stop()
     with pytest.raises(ValueError, match="max_response_bytes"):
         HostedModel("m", "http://127.0.0.1:9/v1", api_key_env=None, max_response_bytes=0)
+
+
+def teacher_answer(tokens: list[int], padding: int) -> dict[str, Any]:
+    """A ``/v1/completions`` answer scoring ``tokens`` (each -1.0), ``padding`` bytes long."""
+    entries = [None] + [{str(token): {"logprob": -1.0}} for token in tokens[1:]]
+    return {"choices": [{"index": 0, "text": "x" * padding, "prompt_logprobs": entries}]}
+
+
+class ZeroStudent:
+    async def forward(self, samples: list[Any]) -> list[list[float]]:
+        return [[0.0] * len(sample.tokens) for sample in samples]
+
+
+def test_an_endpoint_teacher_s_answer_past_max_response_bytes_follows_env_errors() -> None:
+    from test_serve_common import Scripted, ScriptedEndpoint
+
+    from post_training_cookbook.distill import DistillSettings, EndpointTeacher, distill_batch
+    from post_training_cookbook.distill.teacher import TeacherError
+    from post_training_cookbook.grpo.advantages import TrainingBatch
+    from post_training_cookbook.trainer.types import TrainingSample
+
+    tokens = [5, 6, 7, 8]
+    sample = TrainingSample(tokens, [0.0, 0.0, 1.0, 1.0], [0.0] * 4, [0.0] * 4)
+    batch = TrainingBatch([sample], num_groups=1, zero_variance_groups=0, masked_episodes=0)
+    endpoint = ScriptedEndpoint(
+        [Scripted(body=teacher_answer(tokens, 1_500_000))], path="/v1/completions"
+    )
+
+    async def distil(env_errors: str, limit: int | None) -> tuple[TrainingBatch, dict]:
+        teacher = EndpointTeacher(endpoint.base_url, model="m", max_response_bytes=limit)
+        settings = DistillSettings(env_errors=env_errors, sequences_per_call=1)  # type: ignore[arg-type]
+        try:
+            return await distill_batch(batch, teacher, ZeroStudent(), settings)  # type: ignore[arg-type]
+        finally:
+            await teacher.close()
+
+    try:
+        with pytest.raises(TeacherError, match="max_response_bytes=100,000"):
+            asyncio.run(distil("raise", 100_000))
+        assert len(endpoint.requests) == 1  # refused, not retried
+        # the default bound: 1,000 bytes a token sent, at least 1 MB
+        with pytest.raises(TeacherError, match="max_response_bytes=1,000,000"):
+            asyncio.run(distil("raise", None))
+        kept, metrics = asyncio.run(distil("truncate", None))
+        assert kept.samples == [] and metrics["distill/teacher_failed_samples"] == 1.0
+        kept, metrics = asyncio.run(distil("raise", 2_000_000))
+        assert metrics["distill/teacher_failed_samples"] == 0.0
+        assert kept.samples[0].advantages == [0.0, 0.0, -1.0, -1.0]  # −(0 − (−1)) on each
+    finally:
+        endpoint.stop()
+
+
+def test_an_endpoint_teacher_quotes_a_failed_answer_s_head_and_refuses_a_body_not_an_object():
+    from test_serve_common import Scripted, ScriptedEndpoint
+
+    from post_training_cookbook.distill import EndpointTeacher
+    from post_training_cookbook.distill.teacher import TeacherCallError
+    from post_training_cookbook.trainer.types import TrainingSample
+
+    sample = TrainingSample([5, 6], [0.0, 1.0], [0.0] * 2, [0.0] * 2)
+    failing = Scripted(status=500, body={"error": "y" * 2_000_000})
+    listed = Scripted(body=[1, 2])  # type: ignore[arg-type]
+    endpoint = ScriptedEndpoint([failing, failing, listed], path="/v1/completions")
+
+    async def score() -> Any:
+        teacher = EndpointTeacher(endpoint.base_url, model="m", retries=1)
+        try:
+            return await teacher.score([sample])
+        finally:
+            await teacher.close()
+
+    try:
+        with pytest.raises(TeacherCallError, match="after 2 attempts: HTTP 500") as failed:
+            asyncio.run(score())
+        assert len(str(failed.value)) < 500  # the body's first 300 bytes, no more
+        with pytest.raises(TeacherCallError, match="answered a JSON list, not an object"):
+            asyncio.run(score())
+    finally:
+        endpoint.stop()
+
+
+def test_the_run_s_endpoint_teacher_takes_teacher_max_response_bytes() -> None:
+    from post_training_cookbook.distill.teacher import open_teacher
+    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.grpo.settings import RunSettings
+    from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+
+    config = GRPOConfig(teacher="http://127.0.0.1:9/v1", teacher_max_response_bytes=5_000)
+    spec = RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).teacher
+    assert spec is not None and spec.max_response_bytes == 5_000
+
+    async def opened() -> int | None:
+        teacher = await open_teacher(spec, BUNDLED_MODEL_ID)
+        try:
+            return teacher.max_response_bytes  # type: ignore[attr-defined]
+        finally:
+            await teacher.close()
+
+    assert asyncio.run(opened()) == 5_000
+    with pytest.raises(ValueError, match="teacher_max_response_bytes must be >= 1"):
+        GRPOConfig(teacher="http://127.0.0.1:9/v1", teacher_max_response_bytes=0)
+    with pytest.raises(ValueError, match="bounds an endpoint teacher's answers"):
+        GRPOConfig(teacher_max_response_bytes=5_000)

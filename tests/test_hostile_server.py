@@ -1,8 +1,9 @@
 """The policy server on hostile input: every malformed field a 400 naming it (never a 500);
-a fuzz of the request schema (5,000 generated requests, each answered 200 or 4xx, the server
-answering a well-formed request after); slow clients on loopback (headers or bodies sent
-slowly, without the token) cannot keep authorised requests from being served; a large request
-is decoded and tokenized off the event loop."""
+a fuzz of the request schemas of chat completions and prompt scoring (5,000 generated
+requests, each answered 200 or 4xx, the server answering well-formed requests after); slow
+clients on loopback (headers or bodies sent slowly, without the token) cannot keep
+authorised requests from being served; a large request is decoded and tokenized off the
+event loop."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ LONE = "\ud800"
 
 @pytest.fixture(scope="module")
 def served():
-    model, engine = load_served_model(BUNDLED_MODEL_ID, max_model_length=1024)
+    model, engine = load_served_model(BUNDLED_MODEL_ID, max_model_length=SERVED_LENGTH)
     yield replace(model, default_max_tokens=2)
     engine.shutdown()
 
@@ -88,6 +89,30 @@ def test_a_malformed_field_is_a_400_naming_it(client, case) -> None:
     assert answer.json()["error"]["param"] == param
 
 
+MALFORMED_SCORES: dict[str, tuple[dict[str, Any], str]] = {
+    "prompt past the context": ({"prompt": [5] * 1025, "prompt_logprobs": 0}, "prompt"),
+    "one of the prompts past it": (
+        {"prompt": [[5, 6], [5] * 20_000], "prompt_logprobs": 0},
+        "prompt",
+    ),
+    "prompt_logprobs a bool": ({"prompt": [5, 6], "prompt_logprobs": True}, "prompt_logprobs"),
+    "max_tokens a bool": ({"prompt": [5, 6], "prompt_logprobs": 0, "max_tokens": True},
+                          "max_tokens"),
+    "max_tokens a float": ({"prompt": [5, 6], "prompt_logprobs": 0, "max_tokens": 1.0},
+                           "max_tokens"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", MALFORMED_SCORES)
+def test_a_malformed_prompt_score_request_is_a_400_naming_the_field(client, case) -> None:
+    body, param = MALFORMED_SCORES[case]
+    started = time.perf_counter()
+    answer = client.post("/v1/completions", content=json.dumps(body))
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+    assert time.perf_counter() - started < 5.0  # refused, not scored
+
+
 # ---------------------------------------------------------------- the fuzz
 
 TEXT = st.text(st.characters(codec=None, exclude_categories=()), max_size=12)
@@ -129,6 +154,27 @@ BODY = st.fixed_dictionaries(
 )  # fmt: skip
 
 
+CHAT = "/v1/chat/completions"
+SCORES = "/v1/completions"
+SERVED_LENGTH = 1024
+"""The fixture's served context: prompt scoring refuses longer prompts."""
+VALID_IDS = st.lists(st.integers(0, 1535), min_size=1, max_size=6)
+"""Token ids of the bundled model (1,536 of them)."""
+EDGE_IDS = st.lists(st.integers(-2, 1540) | st.sampled_from([-(2**70), 2**70]), max_size=6)
+"""Ids at and past both ends of the vocabulary, and past int64."""
+IDS = VALID_IDS | EDGE_IDS | st.lists(st.integers(-2, 1540) | SCALARS, max_size=6)
+LONG = st.sampled_from([SERVED_LENGTH, SERVED_LENGTH + 1, 20_000]).map(lambda n: [5] * n)
+PROMPT = IDS | st.lists(VALID_IDS, min_size=1, max_size=3) | st.lists(IDS | LONG, max_size=3)
+PROMPT = PROMPT | LONG | TEXT | JSON
+SCORE_BODY = st.fixed_dictionaries(
+    {"prompt": PROMPT, "prompt_logprobs": st.just(0) | st.integers(-1, 2) | JSON},
+    optional={"max_tokens": st.integers(-1, 2) | JSON, "model": JSON,
+              "temperature": st.floats() | JSON, "echo": st.booleans() | JSON, "n": JSON},
+)  # fmt: skip
+REQUEST = st.tuples(st.just(CHAT), BODY | JSON) | st.tuples(st.just(SCORES), SCORE_BODY | JSON)
+"""(route, body): chat completions, or prompt scores (an endpoint teacher's requests)."""
+
+
 def encoded(body: Any) -> bytes:
     try:
         return json.dumps(body).encode()  # ensure_ascii: surrogates as \ud800 escapes
@@ -137,28 +183,33 @@ def encoded(body: Any) -> bytes:
 
 
 def fuzz(client: TestClient, examples: int) -> None:
-    """``examples`` generated requests, each answered 200 or 4xx; then a well-formed one is
-    answered 200 and /health still answers."""
-    answered: list[int] = []
+    """``examples`` generated requests to chat completions and prompt scores, each answered
+    200 or 4xx; then a well-formed one to each is answered 200 and /health still answers."""
+    answered: dict[str, list[int]] = {CHAT: [], SCORES: []}
 
     @settings(
         max_examples=examples, deadline=None, database=None, derandomize=True,
         suppress_health_check=list(HealthCheck),
     )  # fmt: skip
-    @given(body=BODY | JSON, raw=st.none() | st.binary(max_size=40))
-    def one_request(body: Any, raw: bytes | None) -> None:
+    @given(request=REQUEST, raw=st.none() | st.binary(max_size=40))
+    def one_request(request: tuple[str, Any], raw: bytes | None) -> None:
+        route, body = request
         content = raw if raw is not None else encoded(body)
-        answer = client.post("/v1/chat/completions", content=content)
+        answer = client.post(route, content=content)
         assert answer.status_code == 200 or 400 <= answer.status_code < 500, (
-            answer.status_code, content[:300], answer.text[:300],
+            route, answer.status_code, content[:300], answer.text[:300],
         )  # fmt: skip
-        answered.append(answer.status_code)
+        answered[route].append(answer.status_code)
 
     one_request()
-    assert len(answered) >= examples
-    assert 200 in answered and any(400 <= status < 500 for status in answered)
-    well_formed = client.post("/v1/chat/completions", json={"messages": [USER], "max_tokens": 2})
+    assert sum(map(len, answered.values())) >= examples
+    for statuses in answered.values():
+        assert 200 in statuses and any(400 <= status < 500 for status in statuses)
+    well_formed = client.post(CHAT, json={"messages": [USER], "max_tokens": 2})
     assert well_formed.status_code == 200
+    scored = client.post(SCORES, json={"prompt": [5, 6, 7], "prompt_logprobs": 0})
+    assert scored.status_code == 200
+    assert list(scored.json()["choices"][0]["prompt_logprobs"][2]) == ["7"]
     assert client.get("/health").json() == {"status": "ok"}
 
 

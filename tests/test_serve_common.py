@@ -114,10 +114,11 @@ def error_json(message: str, code: str | None = None, kind: str = "invalid_reque
 
 
 class ScriptedEndpoint:
-    """An HTTP endpoint on 127.0.0.1 answering ``/v1/chat/completions`` with ``script`` in
-    order (the last answer repeats): for the hosted client's retry and error rules."""
+    """An HTTP endpoint on 127.0.0.1 answering POSTs to ``path`` (``/v1/chat/completions``)
+    with ``script`` in order (the last answer repeats): for the hosted client's retry and
+    error rules, and an endpoint teacher's."""
 
-    def __init__(self, script: list[Scripted]) -> None:
+    def __init__(self, script: list[Scripted], path: str = "/v1/chat/completions") -> None:
         self.script = list(script)
         self.requests: list[dict[str, Any]] = []
         self.in_flight = 0
@@ -134,7 +135,7 @@ class ScriptedEndpoint:
                 self.in_flight -= 1
             return JSONResponse(answer.body, answer.status, headers=answer.headers)
 
-        app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+        app = Starlette(routes=[Route(path, completions, methods=["POST"])])
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self._socket.listen(16)

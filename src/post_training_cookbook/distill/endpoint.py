@@ -14,18 +14,31 @@ Requests run ``max_concurrency`` at a time, each under ``timeout_s``, and a fail
 another try (a timeout, a dropped connection, 408, 409, 429, 5xx: ``openai_api.py``'s rule) is
 retried up to ``retries`` times with a short backoff. What still fails raises
 ``TeacherCallError``; the loop applies ``env_errors`` to it.
+
+An answer is read up to ``max_response_bytes`` and no further (``openai_api.bounded_body``,
+as the judge and hosted evaluation read theirs): a longer one is a ``TeacherCallError``,
+not retried. The default bound follows the request: ``RESPONSE_BYTES_PER_TOKEN`` a prompt
+token sent (vLLM writes about 100 a token, our ``serve`` about 40), at least
+``MIN_RESPONSE_BYTES``; so 8 requests of 8 sequences of 2,048 tokens hold at most 131 MB,
+where an endpoint answering without end would exhaust memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from post_training_cookbook.distill.teacher import TeacherCallError, TeacherError
-from post_training_cookbook.openai_api import RETRIED_STATUSES
+from post_training_cookbook.openai_api import RETRIED_STATUSES, ResponseTooLarge, bounded_body
 from post_training_cookbook.trainer.types import TrainingSample
+
+RESPONSE_BYTES_PER_TOKEN = 1_000
+MIN_RESPONSE_BYTES = 1_000_000
+ERROR_BYTES = 300
+"""Of a failed request's body, what the error quotes (and reads)."""
 
 
 class EndpointTeacher:
@@ -38,8 +51,14 @@ class EndpointTeacher:
         timeout_s: float = 60.0,
         retries: int = 2,
         max_concurrency: int = 8,
+        max_response_bytes: int | None = None,
         student: str = "the student",
     ) -> None:
+        if max_response_bytes is not None and not max_response_bytes >= 1:
+            raise ValueError(f"max_response_bytes must be >= 1 or None, got {max_response_bytes}")
+        self.max_response_bytes = max_response_bytes
+        """None: ``RESPONSE_BYTES_PER_TOKEN`` a prompt token sent, at least
+        ``MIN_RESPONSE_BYTES``."""
         self.name = base_url
         self._base_url = base_url.rstrip("/")
         self._model = model
@@ -77,6 +96,10 @@ class EndpointTeacher:
             "prompt_logprobs": 0,
         }
         body = await self._call("POST", "/completions", request)
+        if not isinstance(body, dict):
+            raise TeacherCallError(
+                f"{self.name} answered a JSON {type(body).__name__}, not an object"
+            )
         choices = sorted(body.get("choices") or [], key=lambda choice: choice.get("index", 0))
         if len(choices) != len(samples):
             raise TeacherCallError(
@@ -110,18 +133,39 @@ class EndpointTeacher:
             values[position] = value if math.isfinite(value) else -1e4
         return values
 
+    def _response_bound(self, body: dict[str, Any] | None) -> int:
+        if self.max_response_bytes is not None:
+            return self.max_response_bytes
+        tokens = sum(len(prompt) for prompt in (body or {}).get("prompt", []))
+        return max(MIN_RESPONSE_BYTES, RESPONSE_BYTES_PER_TOKEN * tokens)
+
+    def _json(self, raw: bytes, path: str) -> Any:
+        try:
+            return json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+            raise TeacherCallError(
+                f"teacher {self.name}{path} answered a body that is not JSON: {exc}"
+            ) from exc
+
     async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         import httpx
 
+        bound = self._response_bound(body)
         attempt = 0
         while True:
             try:
-                async with self._slots:
-                    response = await self._client.request(method, self._base_url + path, json=body)
-                if response.status_code == 200:
-                    return response.json()
+                async with (
+                    self._slots,
+                    self._client.stream(method, self._base_url + path, json=body) as response,
+                ):
+                    if response.status_code == 200:
+                        raw = await bounded_body(response.aiter_bytes(), bound)
+                        return self._json(raw, path)
+                    said = await _head(response.aiter_bytes(), ERROR_BYTES)
                 retried = response.status_code in RETRIED_STATUSES or response.status_code >= 500
-                failure = f"HTTP {response.status_code}: {response.text[:300]}"
+                failure = f"HTTP {response.status_code}: {said}"
+            except ResponseTooLarge as exc:  # not worth another try
+                raise TeacherCallError(f"teacher {self.name}{path}: {exc}") from exc
             except (httpx.TimeoutException, httpx.TransportError) as exc:
                 retried, failure = True, f"{type(exc).__name__}: {exc}"
             if not retried or attempt >= self._retries:
@@ -130,3 +174,13 @@ class EndpointTeacher:
                 )
             attempt += 1
             await asyncio.sleep(min(2.0, 0.1 * 2**attempt))
+
+
+async def _head(chunks: Any, size: int) -> str:
+    """The first ``size`` bytes of a body, as text; the rest is not read."""
+    head = bytearray()
+    async for chunk in chunks:
+        head += chunk
+        if len(head) >= size:
+            break
+    return head[:size].decode("utf-8", "replace")

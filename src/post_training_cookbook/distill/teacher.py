@@ -101,6 +101,9 @@ class TeacherSpec:
     timeout_s: float = 60.0
     retries: int = 2
     max_concurrency: int = 8
+    max_response_bytes: int | None = None
+    """An endpoint's answer read at most (None: ``distill/endpoint.py``'s bound by the
+    request's tokens)."""
 
     @property
     def is_endpoint(self) -> bool:
@@ -155,6 +158,7 @@ async def open_teacher(spec: TeacherSpec, student: str) -> Teacher:
             timeout_s=spec.timeout_s,
             retries=spec.retries,
             max_concurrency=spec.max_concurrency,
+            max_response_bytes=spec.max_response_bytes,
             student=student,
         )
     return await asyncio.to_thread(LocalTeacher.load, spec.source, spec.scoring)

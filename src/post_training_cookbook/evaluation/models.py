@@ -4,9 +4,9 @@ A run directory (``runs/<run_name>``, with its ``config.yaml``) gives its ``fina
 with ``step=N`` its training checkpoint ``checkpoints/step_<N>``. A checkpoint folder can
 also be named directly. A training checkpoint holds only the trainable weights (the LoRA
 adapter, or every weight), so it is applied to the base model named in the run's
-``config.yaml`` and sampled with merged weights. Both keep the base model's catalog entry
-(codec, codec options, default dtype), so a run's model renders prompts exactly as the run
-did.
+``config.yaml`` and sampled with merged weights, once its files match the sha256 its
+``manifest.json`` lists (as on resume). Both keep the base model's catalog entry (codec,
+codec options, default dtype), so a run's model renders prompts exactly as the run did.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.run_checks import check_manifest
 from post_training_cookbook.models.catalog import ModelInfo, resolve_model
 
 if TYPE_CHECKING:
@@ -100,9 +101,12 @@ def load_eval_weights(model: EvalModel, dtype: torch.dtype | None = None) -> Pre
 
 
 def _checkpoint_weights(model: EvalModel) -> dict[str, Tensor]:
+    """The checkpoint's trainable weights; ``BadFileError`` naming a file whose bytes are not
+    those its manifest lists (garbled in place, same size), as on resume."""
     from post_training_cookbook.trainer.trainer import Trainer
 
     assert model.checkpoint is not None and model.run_config is not None
+    check_manifest(model.checkpoint)
     config = model.run_config
     trainer = Trainer(
         model.info.source,

@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 84 fields, each documented once, right under it (a test keeps the count).
+dataclass of 86 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from post_training_cookbook.grpo.validation import (
     IN_UNIT_INTERVAL,
     RAY_ADDRESS_NEEDS_RAY,
     TEACHER_MODEL_RULE,
+    TEACHER_RESPONSE_RULE,
     TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
@@ -72,6 +73,7 @@ from post_training_cookbook.grpo.validation import (
     sharded_trainer_on_ray,
     teacher_source,
     tensor_parallel_fits,
+    torch_engine_only,
     transport_on_ray,
     type_problem,
     unknown_key,
@@ -281,6 +283,12 @@ class GRPOConfig:
     this many times; what still fails follows ``env_errors``."""
     teacher_max_concurrency: int = setting(8, at_least(1))
     """An endpoint teacher's requests in flight at once."""
+    teacher_max_response_bytes: int | None = setting(
+        None, at_least(1, or_none=True), only_when(endpoint_teacher, TEACHER_RESPONSE_RULE)
+    )
+    """An endpoint teacher's answer is read up to this many bytes; a longer one fails (not
+    retried) and follows ``env_errors``. None: 1,000 bytes a token sent (vLLM writes about
+    100), at least 1 MB."""
     teacher_sequences_per_call: int | None = setting(None, at_least(1, or_none=True))
     """Samples scored per teacher call. None: the whole batch at once for a local teacher
     (micro-batched as the student's), 8 a request for an endpoint."""
@@ -318,6 +326,11 @@ class GRPOConfig:
     """The generators' sampling engine: ``"torch"`` (``LocalEngine``), ``"vllm"`` (extra
     ``scale``; with ``backend="local"`` one engine beside the trainer), or ``"auto"``: the
     catalog's first engine for the model (torch where it can sample it, else vLLM)."""
+    prefix_cache_bytes: int | None = setting(None, at_least(0, or_none=True), torch_engine_only)
+    """Bytes of KV each torch generator keeps in its prefix cache (finished sequences whose
+    prefix a later prompt reuses), least recently used first out. None: a share of the
+    device's memory (1/16 of the machine's RAM, at most 2 GiB, on CPU; 1/10 of a GPU's). 0
+    keeps none. vLLM manages its own KV cache."""
     ray_address: str | None = setting(None, only_when(on_ray, RAY_ADDRESS_NEEDS_RAY))
     """Ray cluster to join (``host:port``); None starts a local, loopback-only Ray."""
     weight_sync_timeout_s: float = setting(600.0, positive)

@@ -190,6 +190,7 @@ class RunSettings:
                 num_generator_replicas=config.num_generator_replicas,
                 engine_dtype=config.dtype,
                 max_model_length=config.max_model_length,
+                prefix_cache_bytes=config.prefix_cache_bytes,
                 ray_address=config.ray_address,
                 weight_sync_timeout_s=config.weight_sync_timeout_s,
                 device=config.device,
@@ -255,6 +256,7 @@ def _teacher(config: GRPOConfig) -> TeacherSpec | None:
         timeout_s=config.teacher_timeout_s,
         retries=config.teacher_retries,
         max_concurrency=config.teacher_max_concurrency,
+        max_response_bytes=config.teacher_max_response_bytes,
     )
 
 

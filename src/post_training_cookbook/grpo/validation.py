@@ -204,6 +204,9 @@ def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | 
 
 
 TEACHER_MODEL_RULE = "teacher_model names an endpoint teacher's model: set teacher to its URL"
+TEACHER_RESPONSE_RULE = (
+    "teacher_max_response_bytes bounds an endpoint teacher's answers: set teacher to its URL"
+)
 
 
 def endpoint_teacher(config: GRPOConfig) -> bool:
@@ -308,6 +311,15 @@ def vllm_only(config: GRPOConfig, name: str, value: Any) -> str | None:
     if config.generation_engine in ("vllm", "auto") or value in (None, defaults.get(name)):
         return None
     return f'{name} applies to generation_engine="vllm" (or "auto" picking vLLM)'
+
+
+def torch_engine_only(config: GRPOConfig, name: str, value: Any) -> str | None:
+    if value is None or config.generation_engine != "vllm":
+        return None
+    return (
+        f'{name} bounds the torch engine\'s prefix cache; generation_engine="vllm" manages its '
+        "own KV cache (vllm_gpu_memory_utilization)"
+    )
 
 
 def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | None:

@@ -156,7 +156,9 @@ async def _answer(request: Request, routes: Routes, find: Any, *, scores: bool =
             if scores:
                 vocab = len(endpoint.model.codec.tokenizer)
                 body = await asyncio.to_thread(decode_json, raw)
-                asked = await asyncio.to_thread(parse_prompt_score_request, body, vocab)
+                asked = await asyncio.to_thread(
+                    parse_prompt_score_request, body, vocab, endpoint.model.max_model_length
+                )
                 return JSONResponse(await score_prompts(endpoint.model, asked))
             # off the event loop: a 4 MB body takes a while to decode and check
             chat = await asyncio.to_thread(_parsed, raw, limits.max_n)

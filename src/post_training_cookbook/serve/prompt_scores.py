@@ -8,7 +8,9 @@ Each prompt becomes one choice (``index`` in order) whose ``prompt_logprobs`` ho
 prompt token, ``null`` for the first, then ``{"<its id>": {"logprob", "rank", "decoded_token"}}``
 under the served weights (the model's own forward, as the trainer scores). Nothing is
 sampled: the choice's ``text`` is empty; a request for text (``max_tokens`` > 1, a text
-prompt, no ``prompt_logprobs``) is refused with a 400 saying what this route does.
+prompt, no ``prompt_logprobs``) is refused with a 400 saying what this route does, and so is
+a prompt longer than the served context (as vLLM refuses one): scoring it would cost time
+quadratic in its length, and a 4 MB body holds two million token ids.
 """
 
 from __future__ import annotations
@@ -28,17 +30,18 @@ class PromptScoreRequest:
     prompts: list[list[int]]
 
 
-def parse_prompt_score_request(body: Any, vocab_size: int) -> PromptScoreRequest:
+def parse_prompt_score_request(body: Any, vocab_size: int, max_length: int) -> PromptScoreRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    if not isinstance(body.get("prompt_logprobs"), int) or body["prompt_logprobs"] < 0:
+    if not _is_count(body.get("prompt_logprobs")):
         raise ApiError(
             400,
             "this server's /v1/completions scores prompts only: set prompt_logprobs (0 or "
             "more) and send token ids; use /v1/chat/completions to sample",
             param="prompt_logprobs",
         )
-    if body.get("max_tokens") not in (None, 0, 1):
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and not (_is_count(max_tokens) and max_tokens <= 1):
         raise ApiError(
             400, "max_tokens must be 0 or 1 here: nothing is sampled", param="max_tokens"
         )
@@ -54,7 +57,19 @@ def parse_prompt_score_request(body: Any, vocab_size: int) -> PromptScoreRequest
                 "such lists); text prompts are not scored here",
                 param="prompt",
             )
+        if len(tokens) > max_length:
+            raise ApiError(
+                400,
+                f"a prompt of {len(tokens)} tokens is longer than this server's context "
+                f"({max_length} tokens)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
     return PromptScoreRequest([list(tokens) for tokens in prompts])
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_id(value: Any, vocab_size: int) -> bool:

@@ -39,6 +39,9 @@ class ServiceSpec:
     """The generators' weights dtype; None takes the model's default."""
     max_model_length: int | None = None
     """The longest sequence a generator must hold (vLLM sizes its KV cache by it)."""
+    prefix_cache_bytes: int | None = None
+    """The torch engine's prefix cache bound, in bytes of KV (None: a share of the device's
+    memory, ``engine/prefix_cache.py``)."""
     ray_address: str | None = None
     """Ray cluster to join; None starts a local, loopback-only Ray (``backend="ray"``)."""
     weight_sync_timeout_s: float = 600.0
@@ -79,6 +82,11 @@ class ServiceSpec:
             raise ValueError(
                 f"{self.model.model_id} samples with vLLM, which runs one engine per process with "
                 f'backend="local": set num_generator_replicas=1 or backend="ray"'
+            )
+        if self.generation_engine == "vllm" and self.prefix_cache_bytes is not None:
+            raise ValueError(
+                f"prefix_cache_bytes bounds the torch engine's prefix cache, but "
+                f"{self.model.model_id} samples with vLLM, which manages its own KV cache"
             )
         if self.generation_engine == "torch" and self.vllm != VLLMSettings():
             raise ValueError(
@@ -144,6 +152,7 @@ async def open_service(spec: ServiceSpec) -> ModelService:
             num_trainer_workers=spec.num_trainer_workers,
             collective_timeout_s=spec.collective_timeout_s,
             weight_transport=spec.weight_transport,
+            prefix_cache_bytes=spec.prefix_cache_bytes,
         )
     import torch
 
@@ -166,4 +175,5 @@ async def open_service(spec: ServiceSpec) -> ModelService:
         generation_engine=spec.generation_engine,
         vllm_options=spec.vllm.engine_options(beside_trainer=True),
         max_model_length=spec.max_model_length,
+        prefix_cache_bytes=spec.prefix_cache_bytes,
     )

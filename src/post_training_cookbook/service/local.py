@@ -132,13 +132,15 @@ class LocalModelService(ModelService):
         generation_engine: GenerationEngine = "torch",
         vllm_options: Mapping[str, object] | None = None,
         max_model_length: int | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> None:
         """Build it with ``create`` unless you already hold a ``Trainer``. The generators sit
         on the trainer's device. ``engine_threads``: each torch generator's intra-op threads
         (None: half of torch's count, at least 1); ``trainer_threads``: the trainer thread's
         (None: torch's count). ``generation_engine="vllm"``: one in-process vLLM engine
         (``vllm_options`` go to ``vllm.EngineArgs``; ``max_model_length`` sizes its KV cache),
-        which frees its KV cache while the trainer steps where vLLM's sleep mode exists."""
+        which frees its KV cache while the trainer steps where vLLM's sleep mode exists.
+        ``prefix_cache_bytes``: each torch generator's prefix cache bound (``LocalEngine``)."""
         if generation_engine == "vllm" and num_generator_replicas != 1:
             raise ValueError("a local vLLM engine runs alone: num_generator_replicas must be 1")
         if num_generator_replicas < 1:
@@ -164,6 +166,7 @@ class LocalModelService(ModelService):
                     version=trainer.version,
                     num_threads=threads,
                     copy_model=False,
+                    prefix_cache_bytes=prefix_cache_bytes,
                 )
                 for _ in range(num_generator_replicas)
             ]
@@ -199,6 +202,7 @@ class LocalModelService(ModelService):
         generation_engine: GenerationEngine = "torch",
         vllm_options: Mapping[str, object] | None = None,
         max_model_length: int | None = None,
+        prefix_cache_bytes: int | None = None,
     ) -> LocalModelService:
         """Load ``info``'s weights into a trainer built as ``trainer`` says, and generators."""
         return cls(
@@ -211,6 +215,7 @@ class LocalModelService(ModelService):
             generation_engine=generation_engine,
             vllm_options=vllm_options,
             max_model_length=max_model_length,
+            prefix_cache_bytes=prefix_cache_bytes,
         )
 
     async def sample(

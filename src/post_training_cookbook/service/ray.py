@@ -127,6 +127,7 @@ class RayModelService(ModelService):
         num_trainer_workers: int = 1,
         collective_timeout_s: float = 600.0,
         weight_transport: WeightTransport = "auto",
+        prefix_cache_bytes: int | None = None,
     ) -> RayModelService:
         """Start Ray (or join ``ray_address``), the trainer actor(s) (built as ``trainer``
         says; ``num_trainer_workers > 1``: the ranks of a sharded trainer, whose collectives
@@ -159,6 +160,7 @@ class RayModelService(ModelService):
             vllm_options=dict(vllm_options or {}),
             max_lora_rank=trainer.lora_rank if adapter_sync else None,
             device="cuda" if num_gpus_per_generator > 0 else "cpu",
+            prefix_cache_bytes=prefix_cache_bytes,
         )
         actors = await start_actors(
             info.source, trainer, spec, layout, ray_address=ray_address,

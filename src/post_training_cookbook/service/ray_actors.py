@@ -162,6 +162,8 @@ class EngineSpec:
     max_lora_rank: int | None = None
     """vLLM only: set for adapter-only LoRA sync (``GeneratorWorker.apply_adapter``)."""
     seed: int = 0
+    prefix_cache_bytes: int | None = None
+    """torch engine only: its prefix cache bound in bytes (None: a share of the device's)."""
     vllm_options: dict[str, Any] = field(default_factory=dict)
     """Passed to ``vllm.EngineArgs`` as they are."""
 
@@ -203,7 +205,7 @@ def build_engine(spec: EngineSpec) -> Any:
         model = AutoModelForCausalLM.from_pretrained(spec.source, dtype=dtype)
         return LocalEngine(
             model, dtype=dtype, device=spec.device, max_batch_size=spec.max_batch_size,
-            copy_model=False,
+            copy_model=False, prefix_cache_bytes=spec.prefix_cache_bytes,
         )  # fmt: skip
     raise ValueError(f"generation engine must be 'torch' or 'vllm', got {spec.kind!r}")
 
