@@ -63,3 +63,29 @@ def test_sft_then_grpo_then_eval_on_the_bundled_model(tmp_path, monkeypatch):
     )  # fmt: skip
     assert result.num_episodes == 4 and 0.0 <= result.reward_mean <= 1.0
     assert result.model_source.endswith("final_model")
+
+
+def test_the_instruct_to_agent_recipe_scores_each_model_it_makes_on_the_game_and_bfcl():
+    """The real recipe (too slow for CI) names a function for every stage it lists, and
+    scores every model it makes after making it, on the game and on BFCL."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).parent.parent / "recipes" / "sft"
+    sys.path.insert(0, str(folder))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "instruct_to_agent", folder / "instruct_to_agent.py"
+        )
+        assert spec is not None and spec.loader is not None
+        recipe = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(recipe)
+    finally:
+        sys.path.remove(str(folder))
+    stages = list(recipe.STAGES)
+    assert set(stages) == set(recipe.STAGE_FUNCTIONS)
+    assert {"eval_base", "bfcl_base"} <= set(stages)
+    for model in ("sft", "grpo"):
+        for scored in (f"eval_{model}", f"bfcl_{model}"):
+            assert stages.index(scored) > stages.index(model)

@@ -14,8 +14,9 @@ whose entities no training task names.
 Each stage runs in a fresh process (the machine's memory is shared) and writes
 ``OUT_DIR/<stage>.json``; a stage whose file exists is skipped, so an interrupted recipe
 continues where it stopped. ``OUT_DIR/summary.json`` holds the table and each stage's
-wall time. On 2 shared CPU cores the whole recipe took 55 min (SFT 33 min of it, GRPO 8.5);
-docs/instruct_to_agent.md has what each stage took and scored.
+wall time. On 2 CPU cores the whole recipe took 68 min (the base model's eval and BFCL 36 of
+them, SFT 9, GRPO 15, on a machine shared with test runs); docs/instruct_to_agent.md has what
+each stage took and scored.
 """
 
 from __future__ import annotations
