@@ -57,3 +57,36 @@ def test_train_multi_turn_trains_three_steps_with_two_trainer_workers(
         directory.read_checkpoint(folder)  # what a resume checks first
     assert [f.name for f in directory.checkpoints()] == ["step_000003", "step_000002"]
     AutoModelForCausalLM.from_pretrained(run.final_model_dir)
+
+
+def test_train_sft_with_two_trainer_workers_takes_one_processs_steps(
+    scale_model: Path, ray_cluster: None, tmp_path: Path
+) -> None:
+    """``train_sft`` on Ray with two FSDP2 workers takes one local process's first step (loss
+    and gradient norm to 1e-5 relative, fp32, LoRA) and then its second (the loss to 1e-5;
+    the gradient norm to 1e-4, as AdamW's first step can flip a near-zero gradient's sign
+    under another summation order), and writes a sharded checkpoint and a final model.
+
+    Both at the same ``micro_batch_tokens``: one process at 8192 against itself at 256 moves
+    the first gradient norm by 9e-5 relative (measured), the micro-batches' own rounding."""
+    from sft_common import run
+
+    options: dict[str, Any] = {"num_steps": 2, "validation_interval": 0, "use_lora": True,
+                               "lora_rank": 8, "micro_batch_tokens": 256}  # fmt: skip
+    local = run(scale_model, tmp_path, "local", **options)
+    sharded = run(scale_model, tmp_path, "sharded", backend="ray", num_trainer_workers=2,
+                  collective_timeout_s=120.0, **options)  # fmt: skip
+    got, want = (
+        [json.loads(line) for line in r.metrics_path.read_text().splitlines()][:2]
+        for r in (sharded, local)
+    )
+    assert [line["step"] for line in got] == [line["step"] for line in want] == [0, 1]
+    for mine, theirs, norm_tolerance in zip(got, want, (1e-5, 1e-4), strict=True):
+        assert mine["train/trained_tokens"] == theirs["train/trained_tokens"]
+        assert mine["loss/nll"] == pytest.approx(theirs["loss/nll"], rel=1e-5)
+        assert mine["optim/grad_norm"] == pytest.approx(
+            theirs["optim/grad_norm"], rel=norm_tolerance
+        )
+    files = json.loads((RunDirectory(sharded.path).checkpoints()[0] / "complete.json").read_text())
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(files["files"])
+    assert (sharded.final_model_dir / "config.json").is_file()
