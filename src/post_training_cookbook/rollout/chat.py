@@ -35,6 +35,7 @@ from post_training_cookbook.rollout.play import (
     BuildsEnvs,
     EpisodesInFlight,
     derive_seed,
+    end_unparsed,
     play_group,
     reset_env,
     run_episode,
@@ -107,9 +108,7 @@ class ChatDriver:
                 break
             episode.length_capped_turns += turn.finish_reason == "length"
             if turn.message is None:
-                episode.reward = limits.failed_parse_reward
-                episode.turn_rewards.append(limits.failed_parse_reward)
-                episode.truncation = TruncationCause.PARSE_FAILURE
+                end_unparsed(episode, limits)
                 break
             added = await step_env(episode, env, turn.message, conversation, limits)
             if added is None:  # the env ended the episode

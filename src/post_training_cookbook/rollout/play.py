@@ -260,9 +260,7 @@ class TokenDriver:
             episode.length_capped_turns += sampled.stop_reason == "length"
             parsed = codec.parse(sampled.tokens, tools)  # the schemas type the arguments
             if parsed.message is None:
-                episode.reward = limits.failed_parse_reward
-                episode.turn_rewards.append(limits.failed_parse_reward)
-                episode.truncation = TruncationCause.PARSE_FAILURE
+                end_unparsed(episode, limits)
                 return
             added = await step_env(episode, env, parsed.message, conversation, limits)
             if added is None:  # the env ended the episode
@@ -285,6 +283,14 @@ def _env_call(
     """``start()`` (an env method) under the step timeout, named by task and turn."""
     label = f"env.{what} of task {episode.task.prompt[:80]!r}, turn {episode.num_turns}"
     return call_env(start, what, limits.env_step_timeout_s, label)
+
+
+def end_unparsed(episode: Episode, limits: EpisodeLimits) -> None:
+    """End ``episode`` on a reply the codec could not parse: ``failed_parse_reward``, as the
+    episode's reward and its last turn's."""
+    episode.reward = limits.failed_parse_reward
+    episode.turn_rewards.append(limits.failed_parse_reward)
+    episode.truncation = TruncationCause.PARSE_FAILURE
 
 
 async def reset_env(episode: Episode, env: Env, limits: EpisodeLimits) -> list[Message]:
