@@ -30,7 +30,7 @@ included). Sides, each at its library's defaults except what the work needs:
   rows; ``shared_prefix:checkpointed``, ``gradient_checkpointing=True`` as TRL has it).
 
 The reward is a hash of the completion in [0, 1), so that every group trains. Run on 2 CPU
-cores it takes ~25 minutes (TRL's step ~14 of them); wall times are printed, not measured with care.
+cores it takes ~20 minutes (TRL's step ~9 of them); wall times are printed, not measured with care.
 """
 
 from __future__ import annotations
