@@ -19,9 +19,17 @@ between them, each episode's turns its own):
 Each (shape, mode) runs in a fresh subprocess, so that its peak resident set is its own:
 one warm-up step (AdamW's moments exist), then ``--steps`` measured ones
 (``forward_backward`` + ``optim_step``). Columns: tokens the decoder processes (padding
-included), trained tokens, seconds a step, trained tokens per second, the step's peak
-resident set above what was resident before it (CPU) or peak allocated (CUDA), and the
-loss, which must agree across modes. Ratios are to ``off`` (padded rows).
+included), trained tokens, seconds a step, trained tokens per second, the peak of training
+above what the built trainer held, and the loss, which must agree across modes. Ratios
+are to ``off`` (padded rows). The peak is the process's peak resident set (``VmHWM``) over
+the warm-up and measured steps minus the resident set once the trainer is built (CPU), or
+the peak allocated above the allocated weights (CUDA): the warm-up step is counted because
+on CPU the allocator keeps what it took, so the growth of a later step alone reads low
+for whichever layout's warm-up already reached its peak.
+
+The trainer's settings are ``GRPOConfig``'s defaults unless given: ``micro_batch_tokens``
+and gradient checkpointing from the memory plan (``memory_budget`` 0.5 of free memory),
+the default log-probability chunk.
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class Row:
     seconds: float
     peak_step_bytes: int
     loss: float
+    settings: str
+    """What the trainer ran with: micro-batch tokens, checkpointing, log-prob chunk."""
 
 
 def episodes(shape: Shape, vocab: int) -> list[TrainingSample]:
@@ -122,27 +132,37 @@ def measure(args: argparse.Namespace) -> Row:
     shape = SHAPES[args.shape]
     model = build_model(args.shape, args.layers)
     samples = episodes(shape, model.config.vocab_size)
+    given = (
+        {}
+        if args.logprob_chunk_tokens is None
+        else {"logprob_chunk_tokens": args.logprob_chunk_tokens}
+    )
     trainer = Trainer(
         model, use_lora=shape.use_lora, micro_batch_tokens=args.micro_batch_tokens, seed=0,
         packing=args.mode != "off", shared_prefix=args.mode == "shared_prefix",
-        device=args.device, logprob_chunk_tokens=args.logprob_chunk_tokens,
+        device=args.device, gradient_checkpointing=None, **given,
     )  # fmt: skip
     assert trainer.packing_mode == args.mode
     loss = LossConfig()
-    trainer.forward_backward(samples, loss)
-    trainer.optim_step(1e-6)
     device = trainer.device
     resident = resident_bytes(device)
     reset_peak(device)
+    trainer.forward_backward(samples, loss)
+    trainer.optim_step(1e-6)
     start = time.perf_counter()
     for _ in range(args.steps):
         result = trainer.forward_backward(samples, loss)
         trainer.optim_step(1e-6)
     seconds = (time.perf_counter() - start) / args.steps
-    peak = peak_bytes(device) - (resident if device.type == "cpu" else 0)
-    processed = stream_tokens(samples, args.micro_batch_tokens, trainer.packing_mode)
+    peak = peak_bytes(device) - resident
+    processed = stream_tokens(samples, trainer.micro_batch_tokens, trainer.packing_mode)
     trained = sum(s.num_trained_tokens for s in samples)
-    return Row(args.shape, args.mode, processed, trained, seconds, peak, result.loss)
+    settings = (
+        f"micro_batch_tokens={trainer.micro_batch_tokens} "
+        f"gradient_checkpointing={trainer.gradient_checkpointing} "
+        f"logprob_chunk_tokens={trainer.logprob_chunk_tokens}"
+    )
+    return Row(args.shape, args.mode, processed, trained, seconds, peak, result.loss, settings)
 
 
 def main() -> None:
@@ -150,23 +170,27 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     parser.add_argument("--layers", type=int, default=4, help="SmolLM2 shape's depth (30)")
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--micro-batch-tokens", type=int, default=8192)
+    parser.add_argument("--micro-batch-tokens", type=int, help="default: the memory plan's")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--logprob-chunk-tokens", type=int, default=1024)
+    parser.add_argument("--logprob-chunk-tokens", type=int, help="default: the trainer's")
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.shape is not None:  # one variant, in its own process
         print(json.dumps(asdict(measure(args))))
         return
-    common = ["--layers", str(args.layers), "--steps", str(args.steps),
-              "--micro-batch-tokens", str(args.micro_batch_tokens),
-              "--logprob-chunk-tokens", str(args.logprob_chunk_tokens)]  # fmt: skip
+    common = ["--layers", str(args.layers), "--steps", str(args.steps)]
+    for flag, value in (
+        ("--micro-batch-tokens", args.micro_batch_tokens),
+        ("--logprob-chunk-tokens", args.logprob_chunk_tokens),
+    ):
+        if value is not None:
+            common += [flag, str(value)]  # fmt: skip
     if args.device:
         common += ["--device", args.device]
     print(
         f"torch threads {torch.get_num_threads()}, SmolLM2 shape at {args.layers} layers, "
-        f"log-probability chunks of {args.logprob_chunk_tokens}, load {os.getloadavg()[0]:.1f}"
+        f"load {os.getloadavg()[0]:.1f}"
     )
     print(f"{'shape':8} {'mode':14} {'processed':>9} {'trained':>7} {'s/step':>7} "
           f"{'trained/s':>9} {'peak MiB':>8} {'loss':>9}  time×  memory×")  # fmt: skip
@@ -182,7 +206,7 @@ def main() -> None:
                 f"{row.seconds:7.2f} {row.trained_tokens / row.seconds:9.0f} "
                 f"{row.peak_step_bytes / 2**20:8.0f} {row.loss:9.5f}  "
                 f"{row.seconds / plain.seconds:5.2f}  "
-                f"{row.peak_step_bytes / max(plain.peak_step_bytes, 1):7.2f}",
+                f"{row.peak_step_bytes / max(plain.peak_step_bytes, 1):7.2f}  {row.settings}",
                 flush=True,
             )
 

@@ -165,6 +165,7 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"lora_rank": 10**7}, ["lora_rank", "<= 4096"]),
     ({"num_generator_replicas": 10**6}, ["num_generator_replicas", "<= 1024"]),
     ({"logprob_chunk_tokens": 0}, ["logprob_chunk_tokens", ">= 1 or None"]),
+    ({"logprob_chunk_tokens": "big"}, ["logprob_chunk_tokens", "'auto'", "'big'"]),
     ({"trainer_precision": "fp16"}, ["trainer_precision", "'bf16'"]),
     ({"device": "gpu"}, ["device", "'cuda:N'", "'gpu'"]),
     ({"device": "cuda", "backend": "ray"}, ['device applies to backend="local"']),

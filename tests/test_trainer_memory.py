@@ -32,7 +32,17 @@ from test_trainer import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from post_training_cookbook.trainer.logprobs import _Fp32Linear
+from post_training_cookbook.trainer import logprobs as logprobs_module
+from post_training_cookbook.trainer import memory_plan
+from post_training_cookbook.trainer.frozen_head import (
+    chosen_and_entropy_frozen_head,
+    frozen_fp32_head,
+)
+from post_training_cookbook.trainer.logprobs import _chunked_chosen_and_entropy, _Fp32Linear
+from post_training_cookbook.trainer.memory_plan import (
+    LOGPROB_CHUNK_BYTES,
+    auto_logprob_chunk_tokens,
+)
 from post_training_cookbook.trainer.precision import MasterWeightAdamW
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
@@ -205,6 +215,88 @@ def test_chunking_leaves_no_vocabulary_sized_tensor_of_a_whole_micro_batch(
     assert most_rows[None] == kept_rows[None] == trained  # whole: one tensor holds them all
     assert most_rows[16] == 16
     assert kept_rows[16] == 0
+
+
+@pytest.mark.parametrize(
+    ("vocab_size", "chunk"),
+    [(49152, 256), (151936, 64), (128256, 128), (32000, 512), (VOCAB, 1024), (10**7, 64)],
+)
+def test_the_auto_chunk_holds_64_mib_of_fp32_logits(vocab_size: int, chunk: int) -> None:
+    """SmolLM2's, Qwen's, Llama 3's, Llama 2's vocabularies; the bounds at both ends."""
+    assert auto_logprob_chunk_tokens(vocab_size) == chunk
+    assert chunk * vocab_size * 4 <= LOGPROB_CHUNK_BYTES or chunk == 64
+
+
+def test_the_default_trainer_chunks_by_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``"auto"`` is the default and is resolved once; given values are kept."""
+    samples = rows_of_one_length(12, length=20)  # one micro-batch, 12 × 9 trained tokens
+    monkeypatch.setattr(memory_plan, "LOGPROB_CHUNK_BYTES", 4 * VOCAB * 64)
+    trainer = make_trainer(False)
+    assert trainer.logprob_chunk_tokens == 64
+    with VocabularyTensors() as recorder:
+        trainer.forward_backward(samples, GRPO)
+    trained = sum(s.num_trained_tokens for s in samples)
+    assert max(recorder.rows) <= 64 < trained
+    assert make_trainer(False, logprob_chunk_tokens=16).logprob_chunk_tokens == 16
+    assert make_trainer(False, logprob_chunk_tokens=None).logprob_chunk_tokens is None
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_frozen_head_gives_the_generic_values_and_gradients(
+    chunk: int | None, bias: bool
+) -> None:
+    """Log-probabilities, entropy and the rows' gradient (under an uneven upstream
+    gradient) equal the generic chunked path's, fp32 to 1e-6 absolute."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(HIDDEN, VOCAB, bias=bias).requires_grad_(False)
+    rows, targets = torch.randn(20, HIDDEN), torch.randint(0, VOCAB, (20,))
+    upstream = torch.randn(20)
+    results = []
+    for frozen in (False, True):
+        inputs = rows.clone().requires_grad_(True)
+        if frozen:
+            chosen, entropy = chosen_and_entropy_frozen_head(head, inputs, targets, chunk)
+        else:
+            chosen, entropy = _chunked_chosen_and_entropy(head, inputs, targets, chunk)
+        (chosen * upstream).sum().backward()
+        results.append((chosen.detach(), entropy.detach(), inputs.grad))
+    for generic, frozen_head in zip(*results, strict=True):
+        torch.testing.assert_close(frozen_head, generic, atol=1e-6, rtol=1e-5)
+
+
+def test_lora_takes_the_frozen_head_path_with_the_generic_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A LoRA trainer's head is frozen, so its step goes through ``frozen_head.py``, and
+    gives the generic path's loss, metrics and gradients (a full-weight head is trained and
+    keeps the generic path)."""
+    model, samples = tiny_model(), make_samples(8)
+    adapter = warmed_lora(model, "cpu")
+    lora = load_adapter(
+        make_trainer(True, copy.deepcopy(model), logprob_chunk_tokens=5, reference_model=True),
+        adapter,
+    )
+    assert frozen_fp32_head(lora._model) is not None
+    assert frozen_fp32_head(make_trainer(False, copy.deepcopy(model))._model) is None
+    frozen_step = step_results(lora, samples)
+    monkeypatch.setattr(logprobs_module, "frozen_fp32_head", lambda model: None)
+    generic = load_adapter(
+        make_trainer(True, copy.deepcopy(model), logprob_chunk_tokens=5, reference_model=True),
+        adapter,
+    )
+    assert_same_step(step_results(generic, samples), frozen_step, atol=1e-6, rtol=1e-5)
+
+
+def test_the_frozen_head_keeps_no_vocabulary_sized_tensor_of_a_whole_micro_batch() -> None:
+    samples = rows_of_one_length(12, length=20)  # one micro-batch, 12 × 9 trained tokens
+    trainer = make_trainer(True, logprob_chunk_tokens=16)
+    assert frozen_fp32_head(trainer._model) is not None
+    with VocabularyTensors() as recorder:
+        trainer.forward_backward(samples, GRPO)
+    assert max(recorder.rows) == 16
+    kept = kept_for_backward(trainer, samples)
+    assert not [s for s in kept if is_vocabulary_rows(s)]
 
 
 def test_full_forward_models_still_chunk_the_log_softmax() -> None:
@@ -485,7 +577,8 @@ def test_a_checkpoint_of_another_precision_loads_its_weights_only(tmp_path: Path
 @pytest.mark.parametrize(
     ("option", "message"),
     [
-        ({"logprob_chunk_tokens": 0}, "logprob_chunk_tokens must be >= 1 or None"),
+        ({"logprob_chunk_tokens": 0}, 'logprob_chunk_tokens must be >= 1, "auto" or None'),
+        ({"logprob_chunk_tokens": "big"}, 'logprob_chunk_tokens must be >= 1, "auto" or None'),
         ({"precision": "fp16"}, r"precision must be one of \('fp32', 'bf16'\)"),
         ({"gradient_checkpointing": "yes"}, "gradient_checkpointing must be a bool"),
     ],

@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from post_training_cookbook.trainer.types import TrainingSample
 
@@ -86,7 +86,7 @@ class ScoringSettings:
     equal to the student computes the same numbers."""
 
     micro_batch_tokens: int = 8192
-    logprob_chunk_tokens: int | None = 1024
+    logprob_chunk_tokens: int | Literal["auto"] | None = "auto"
     device: str = "cpu"
 
 

@@ -245,10 +245,12 @@ class GRPOConfig:
     """Share of the device's free memory (after the weights load) that the activations of a
     micro-batch may fill, where ``micro_batch_tokens`` or ``gradient_checkpointing`` is
     None."""
-    logprob_chunk_tokens: int | None = setting(1024, at_least(1, or_none=True))
+    logprob_chunk_tokens: int | Literal["auto"] | None = setting("auto", at_least(1, or_none=True))
     """Trained positions whose vocabulary-sized log-softmax exists at once; a micro-batch
     with more recomputes its LM head per chunk in backward. None: a micro-batch's all at
-    once. Bounds memory, not the result."""
+    once; ``"auto"``: as many as 64 MiB of fp32 logits hold, a power of two from 64 to
+    1,024 (256 for a 49k vocabulary, 64 for Qwen's 152k; logged). Bounds memory, not the
+    result."""
     trainer_packing: PackingMode = "shared_prefix"
     """How micro-batches are laid out: ``"shared_prefix"``, one token stream without
     padding where each prefix the episodes share (a group's prompt, turns they agree on) is

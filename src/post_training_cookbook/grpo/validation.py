@@ -54,7 +54,8 @@ def value_problems(config: Any) -> list[str]:
 
 def at_least(minimum: int, why: str = "", *, or_none: bool = False) -> Rule:
     def rule(config: Any, name: str, value: Any) -> str | None:
-        if value is None or value >= minimum:
+        # A string is one of the field's literals ("auto"): its type check said so.
+        if value is None or isinstance(value, str) or value >= minimum:
             return None
         problem = f"{name} must be >= {minimum}{' or None' if or_none else ''}, got {value}"
         return f"{problem}: {why}" if why else problem

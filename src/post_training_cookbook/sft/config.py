@@ -118,8 +118,9 @@ class SFTConfig:
     """Padded tokens per forward/backward micro-batch. Bounds memory, not the result."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them."""
-    logprob_chunk_tokens: int | None = setting(1024, at_least(1, or_none=True))
-    """Trained positions whose vocabulary-sized log-softmax exists at once (None: all)."""
+    logprob_chunk_tokens: int | Literal["auto"] | None = setting("auto", at_least(1, or_none=True))
+    """Trained positions whose vocabulary-sized log-softmax exists at once (None: all;
+    ``"auto"``: sized by the vocabulary, as ``GRPOConfig``'s)."""
     trainer_precision: Precision = "fp32"
     """``"fp32"``, or ``"bf16"`` weights and gradients with fp32 masters in the optimizer."""
     device: str = setting("auto", device_name, device_on_local)

@@ -5,7 +5,9 @@ vocabulary-sized log-softmax of a long micro-batch (Qwen's 151,936 tokens × 8k 
 5 GB of fp32) never exists whole. Each chunk is LM head → log-softmax → the chosen token's
 log-probability and the distribution's entropy; with gradients on, each chunk runs under
 ``torch.utils.checkpoint``, so only its input is kept for backward and its logits are
-recomputed there (one more head forward per chunk: the price of the bound).
+recomputed there (one more head forward per chunk: the price of the bound). A head that
+takes no gradient (LoRA) skips that recompute: its rows' gradient is taken with the logits
+(``frozen_head.py``).
 
 A model reaches its logits by one of three routes, chosen once per model (``choose_route``)
 by checking each against the model's own logits:
@@ -35,6 +37,10 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from post_training_cookbook.batching import length_groups
+from post_training_cookbook.trainer.frozen_head import (
+    chosen_and_entropy_frozen_head,
+    frozen_fp32_head,
+)
 from post_training_cookbook.trainer.losses import BatchTotals, token_entropy
 from post_training_cookbook.trainer.packed_layout import PackedLayout
 from post_training_cookbook.trainer.types import TrainingSample
@@ -66,7 +72,7 @@ class MicroBatch:
 
 def check_batch_options(
     micro_batch_tokens: int | None,
-    logprob_chunk_tokens: int | None,
+    logprob_chunk_tokens: int | Literal["auto"] | None,
     gradient_checkpointing: bool | None,
     memory_budget: float = 0.5,
 ) -> None:
@@ -74,8 +80,12 @@ def check_batch_options(
     plan, ``memory_plan.py``)."""
     if micro_batch_tokens is not None and micro_batch_tokens < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1 or None, got {micro_batch_tokens}")
-    if logprob_chunk_tokens is not None and logprob_chunk_tokens < 1:
-        raise ValueError(f"logprob_chunk_tokens must be >= 1 or None, got {logprob_chunk_tokens}")
+    if logprob_chunk_tokens not in (None, "auto") and (
+        not isinstance(logprob_chunk_tokens, int) or logprob_chunk_tokens < 1
+    ):
+        raise ValueError(
+            f'logprob_chunk_tokens must be >= 1, "auto" or None, got {logprob_chunk_tokens!r}'
+        )
     if gradient_checkpointing is not None and not isinstance(gradient_checkpointing, bool):
         raise ValueError(
             f"gradient_checkpointing must be a bool or None, got {gradient_checkpointing!r}"
@@ -182,7 +192,11 @@ def token_logprobs(
             inputs = hidden_at_trained(model, batch)
             via = head_logits if route == "head" else forward_logits_on_hidden
             to_logits = partial(via, model)
-    chosen, entropy = _chunked_chosen_and_entropy(to_logits, inputs, targets, chunk_tokens)
+    frozen = frozen_fp32_head(model) if route == "head" and torch.is_grad_enabled() else None
+    if frozen is not None:  # LoRA: the gradient taken with the logits (frozen_head.py)
+        chosen, entropy = chosen_and_entropy_frozen_head(frozen, inputs, targets, chunk_tokens)
+    else:
+        chosen, entropy = _chunked_chosen_and_entropy(to_logits, inputs, targets, chunk_tokens)
     logprobs = torch.zeros(batch.mask.shape, dtype=torch.float32, device=inputs.device)
     logprobs[:, 1:][batch.trained] = chosen
     return logprobs, float(entropy.item())

@@ -10,6 +10,12 @@ The plan takes the largest micro-batch, up to ``MAX_MICRO_BATCH_TOKENS``, whose 
 fits ``memory_budget`` × the free memory after the weights are loaded: without
 checkpointing where ``MAX_MICRO_BATCH_TOKENS`` fit that way (it costs a forward), with it
 otherwise. A field the settings give is kept as given.
+
+The log-probability chunk (``logprob_chunk_tokens="auto"``) is sized by the vocabulary: the
+trained positions whose fp32 logits fit ``LOGPROB_CHUNK_BYTES`` (forward and backward keep
+about four such tensors), a power of two from 64 to 1,024. A fixed 1,024 held 1,024 ×
+49,152 logits (192 MiB a copy) on SmolLM2 and pushed a shared-prefix step, whose group
+is one micro-batch, above the padded one's peak (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -25,6 +31,9 @@ log = logging.getLogger(__name__)
 
 MAX_MICRO_BATCH_TOKENS = 8192
 MIN_MICRO_BATCH_TOKENS = 256
+LOGPROB_CHUNK_BYTES = 64 * 2**20
+MAX_LOGPROB_CHUNK_TOKENS = 1024
+MIN_LOGPROB_CHUNK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,14 @@ def activation_bytes_per_token(
     if checkpointing:  # each layer's input, and one layer rebuilt at a time
         return layers * activation_bytes * hidden + per_layer
     return layers * per_layer
+
+
+def auto_logprob_chunk_tokens(vocab_size: int) -> int:
+    """``logprob_chunk_tokens="auto"``: the largest power of two of positions whose fp32
+    logits fit ``LOGPROB_CHUNK_BYTES``, within [64, 1024]."""
+    fitting = max(1, LOGPROB_CHUNK_BYTES // (4 * max(1, vocab_size)))
+    power = 1 << (fitting.bit_length() - 1)
+    return max(MIN_LOGPROB_CHUNK_TOKENS, min(MAX_LOGPROB_CHUNK_TOKENS, power))
 
 
 def free_bytes(device: torch.device) -> int:

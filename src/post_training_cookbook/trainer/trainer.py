@@ -33,11 +33,12 @@ import collections
 import copy
 import dataclasses
 import functools
+import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -59,7 +60,7 @@ from post_training_cookbook.trainer.logprobs import (
     micro_batches,
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
-from post_training_cookbook.trainer.memory_plan import plan_memory
+from post_training_cookbook.trainer.memory_plan import auto_logprob_chunk_tokens, plan_memory
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
@@ -87,6 +88,8 @@ from post_training_cookbook.trainer.types import (
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAME = "default"  # peft's name for the single adapter get_peft_model creates
 
+log = logging.getLogger(__name__)
+
 
 class Trainer:
     def __init__(
@@ -105,7 +108,7 @@ class Trainer:
         autocast_bf16: bool | None = None,
         gradient_checkpointing: bool | None = False,
         memory_budget: float = 0.5,
-        logprob_chunk_tokens: int | None = 1024,
+        logprob_chunk_tokens: int | Literal["auto"] | None = "auto",
         precision: Precision = "fp32",
         reference_model: bool = False,
         packing: bool = True,
@@ -129,7 +132,7 @@ class Trainer:
         ``gradient_checkpointing`` None: chosen from the model's shape and
         ``memory_budget`` × the device's free memory (``memory_plan.py``, logged once);
         ``logprob_chunk_tokens`` is how many trained positions' vocabulary-sized tensors
-        exist at once (None: all);
+        exist at once (None: all; ``"auto"``: sized by the vocabulary, ``memory_plan.py``);
         ``precision`` is ``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master
         copy and moments in the optimizer (``precision.py``). ``reference_model``
         keeps the initial policy for the KL term: a frozen copy for full weight, the base
@@ -166,7 +169,12 @@ class Trainer:
         self.betas = betas
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
-        self.logprob_chunk_tokens = logprob_chunk_tokens
+        if logprob_chunk_tokens == "auto":
+            logprob_chunk_tokens = auto_logprob_chunk_tokens(
+                base.config.get_text_config().vocab_size
+            )
+            log.info("trainer: logprob_chunk_tokens=%d (auto)", logprob_chunk_tokens)
+        self.logprob_chunk_tokens: int | None = logprob_chunk_tokens
         if autocast_bf16 is None:  # bf16 weights need no autocast
             autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
         self.autocast_bf16 = autocast_bf16

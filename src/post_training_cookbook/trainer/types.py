@@ -136,8 +136,9 @@ class TrainerSettings:
     """None: from the memory plan."""
     memory_budget: float = 0.5
     """Share of the device's free memory the memory plan may fill with activations."""
-    logprob_chunk_tokens: int | None = 1024
-    """Trained positions whose vocabulary-sized log-softmax exists at once (None: all)."""
+    logprob_chunk_tokens: int | Literal["auto"] | None = "auto"
+    """Trained positions whose vocabulary-sized log-softmax exists at once (None: all;
+    ``"auto"``: sized by the vocabulary, ``memory_plan.auto_logprob_chunk_tokens``)."""
     precision: Precision = "fp32"
     reference_model: bool = False
     """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
