@@ -14,9 +14,9 @@ whose entities no training task names.
 Each stage runs in a fresh process (the machine's memory is shared) and writes
 ``OUT_DIR/<stage>.json``; a stage whose file exists is skipped, so an interrupted recipe
 continues where it stopped. ``OUT_DIR/summary.json`` holds the table and each stage's
-wall time. On 2 CPU cores the trained stages took 23 min (SFT 16, GRPO 3, evals and BFCL 4),
-and the base model's eval and BFCL 36 more on a loaded machine; validation 0.00 → 0.87 after
-SFT → 0.91 after GRPO. docs/instruct_to_agent.md has what each stage took and scored.
+wall time. On 2 CPU cores the whole recipe took 26 min (SFT 15, GRPO 3, evals and BFCL 8);
+validation on unseen entities 0.00 → 0.85 after SFT → 0.92 after GRPO.
+docs/instruct_to_agent.md has what each stage took and scored.
 """
 
 from __future__ import annotations
