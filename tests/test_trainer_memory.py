@@ -263,6 +263,10 @@ def test_the_frozen_head_gives_the_generic_values_and_gradients(
         results.append((chosen.detach(), entropy.detach(), inputs.grad))
     for generic, frozen_head in zip(*results, strict=True):
         torch.testing.assert_close(frozen_head, generic, atol=1e-6, rtol=1e-5)
+    none = torch.zeros((0, HIDDEN), requires_grad=True)
+    chosen, entropy = chosen_and_entropy_frozen_head(head, none, targets[:0], chunk)
+    chosen.sum().backward()
+    assert chosen.shape == (0,) and float(entropy) == 0.0 and none.grad is not None
 
 
 def test_lora_takes_the_frozen_head_path_with_the_generic_step(

@@ -54,7 +54,7 @@ class _FrozenHeadLogprobs(torch.autograd.Function):
         chunk_tokens: int | None,
     ) -> tuple[Tensor, Tensor]:
         count = rows.shape[0]
-        step = count if chunk_tokens is None else max(1, chunk_tokens)
+        step = max(1, count if chunk_tokens is None else chunk_tokens)  # 0 rows: no chunk
         chosen = torch.empty(count, dtype=torch.float32, device=rows.device)
         grad_rows = torch.empty((count, weight.shape[1]), dtype=torch.float32, device=rows.device)
         entropy = torch.zeros((), dtype=torch.float32, device=rows.device)
