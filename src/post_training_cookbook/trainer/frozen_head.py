@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 
-def frozen_fp32_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+def frozen_fp32_head(model: PreTrainedModel) -> torch.nn.Linear | None:
     """The model's LM head when this path applies to it: a plain fp32 ``nn.Linear`` whose
     weight and bias take no gradient; else None."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if get_head is not None else None
+    head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.weight.dtype != torch.float32:
         return None
     if any(p.requires_grad for p in head.parameters()):
