@@ -685,3 +685,75 @@ async def test_a_cancelled_request_leaves_the_batch(model: torch.nn.Module) -> N
         assert engine.stats().sequences_finished == 0
         (seq,) = await engine.sample([5, 6], 1, SamplingParams(max_tokens=3))
         assert len(seq.tokens) == 3
+
+
+async def released(engine: LocalEngine) -> None:
+    """Wait for the worker to act on ``release_memory`` (it does once idle)."""
+    for _ in range(500):
+        if engine.stats().prefix_cache_entries == 0 and all(
+            buffer is None for buffer in engine._decoder.batch.keys
+        ):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the engine kept its KV buffers")
+
+
+@run_async
+async def test_release_memory_frees_the_idle_kv_and_sampling_goes_on_alike(
+    model: torch.nn.Module,
+) -> None:
+    prompt, params = prompt_of(20, 7), SamplingParams(max_tokens=12, seed=3)
+    async with LocalEngine(model) as engine:
+        (first,) = await engine.sample(prompt, 1, params)
+        assert engine.stats().prefix_cache_entries > 0  # kept between batches until asked
+        assert any(buffer is not None for buffer in engine._decoder.batch.keys)
+        engine.release_memory()
+        await released(engine)
+        (again,) = await engine.sample(prompt, 1, params)
+    assert again.tokens == first.tokens and again.logprobs == first.logprobs
+
+
+@run_async
+async def test_a_release_asked_mid_generation_waits_for_the_batch_to_finish(
+    model: torch.nn.Module,
+) -> None:
+    prompts, params = [prompt_of(12, s) for s in (1, 2)], SamplingParams(max_tokens=40, seed=5)
+    async with LocalEngine(model) as reference:
+        expected = [await reference.sample(p, 2, params) for p in prompts]
+    async with LocalEngine(model) as engine:
+        running = [asyncio.create_task(engine.sample(p, 2, params)) for p in prompts]
+        await asyncio.sleep(0)
+        engine.release_memory()
+        results = await asyncio.gather(*running)
+        await released(engine)
+    for got, want in zip(results, expected, strict=True):
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        for g, w in zip(got, want, strict=True):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+
+
+def test_a_dropped_decoder_cache_frees_its_kv_without_the_cyclic_collector(
+    model: torch.nn.Module,
+) -> None:
+    """The window cache's layers point back at it weakly, so a reset decoder's old KV
+    buffers go when the decoder lets go of them, not whenever Python's cycle collector
+    happens to run (a lockstep loop drops them every step)."""
+    import gc
+    import weakref
+
+    decoder = Decoder(inference_copy(model, None, torch.device("cpu")), prefix_cache_size=8)
+    loop = asyncio.new_event_loop()
+    request = Request([1, 2, 3, 4], 1, SamplingParams(max_tokens=30), loop, loop.create_future())
+    with torch.inference_mode():
+        decoder.prefill([request])
+    loop.close()
+    buffer = decoder.batch.keys[0]
+    assert buffer is not None
+    alive = weakref.ref(buffer)
+    del buffer
+    gc.disable()
+    try:
+        decoder.reset()
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -246,3 +246,31 @@ def test_a_deferred_publish_reaches_the_engines_while_the_next_training_op_runs(
 
     asyncio.run(scenario())
     assert seen_during_training == [1]
+
+
+def test_a_lockstep_training_step_frees_the_idle_engines_kv_first(model_dir):
+    """In lockstep (nothing sampling) ``forward_backward`` has the engines drop their KV
+    buffers and cached prefixes, which they keep between batches, before the trainer
+    steps; sampling afterwards is unaffected."""
+
+    async def scenario():
+        service = make_service(model_dir, use_lora=True)
+        try:
+            samples, _ = await sample_episodes(service, seed=1)
+            (engine,) = service.engines
+            kept = engine.stats().prefix_cache_entries
+            await service.forward_backward(samples, LossConfig())
+            for _ in range(500):  # the worker acts on it at once, being idle
+                if engine.stats().prefix_cache_entries == 0:
+                    break
+                await asyncio.sleep(0.01)
+            freed = all(buffer is None for buffer in engine._decoder.batch.keys)
+            again, _ = await sample_episodes(service, seed=1)
+            return kept, engine.stats().prefix_cache_entries, freed, samples, again
+        finally:
+            await service.close()
+
+    kept, after_sampling, freed, samples, again = asyncio.run(scenario())
+    assert kept > 0 and freed
+    assert after_sampling > 0  # the next batch fills them afresh
+    assert [s.tokens for s in again] == [s.tokens for s in samples]

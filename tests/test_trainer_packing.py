@@ -202,6 +202,39 @@ def test_a_sample_longer_than_the_budget_gets_a_micro_batch_of_its_own() -> None
     assert all(len(group) == 1 for group in plan)  # every sample has over 10 tokens
 
 
+def shaped_groups(groups: int, episodes: int, prompt: int, added: int) -> list[TrainingSample]:
+    """``groups`` groups of ``episodes``: a prompt of its own, then ``added`` tokens each."""
+    samples, next_token = [], 1
+    for _ in range(groups):
+        head = list(range(next_token, next_token + prompt))
+        next_token += prompt
+        for _ in range(episodes):
+            tokens = head + list(range(next_token, next_token + added))
+            next_token += added
+            samples.append(TrainingSample(tokens, [0.0] + [1.0] * (len(tokens) - 1),
+                                          [0.0] * len(tokens), [0.0] * len(tokens)))  # fmt: skip
+    return samples
+
+
+def test_a_group_stays_in_one_stream_up_to_the_shared_bound_and_groups_fill_the_target() -> None:
+    samples = shaped_groups(groups=3, episodes=4, prompt=50, added=20)  # streams of 130
+    groups = [set(range(4 * g, 4 * g + 4)) for g in range(3)]
+    plan = plan_packed(samples, 100, share_prefixes=True, shared_tokens=200)
+    assert [set(micro) for micro in plan] == groups  # past the target of 100, never joined
+    assert stream_tokens(samples, 100, "shared_prefix", 200) == 3 * 130
+    # Without room past the target, a group is cut, and its prompt is forwarded once more.
+    assert stream_tokens(samples, 100, "shared_prefix") == 3 * (130 + 50)
+    # With room, groups fill a micro-batch to the target.
+    assert [len(micro) for micro in plan_packed(samples, 260, True, 400)] == [8, 4]
+
+
+def test_episodes_that_add_more_than_they_share_are_packed_to_the_target_only() -> None:
+    samples = shaped_groups(groups=1, episodes=6, prompt=10, added=40)  # each adds 40 > 10
+    plan = plan_packed(samples, 100, share_prefixes=True, shared_tokens=1000)
+    assert [len(micro) for micro in plan] == [2, 2, 2]  # 50 + 40, thrice
+    assert stream_tokens(samples, 100, "shared_prefix", 1000) == 3 * 90
+
+
 def test_models_where_packing_is_not_exact_keep_padded_rows_and_say_why_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

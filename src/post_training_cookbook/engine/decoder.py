@@ -19,6 +19,7 @@ import torch
 
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.engine.fast_decode import FusedDecodeStep
+from post_training_cookbook.engine.heap import return_freed_memory
 from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
 from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry
 from post_training_cookbook.engine.sampling import sample_tokens
@@ -167,6 +168,15 @@ class Decoder:
         self.batch = KVBatch(self.num_layers, self.dtype, self.device)
         self.cache = WindowCache(self.batch, self.num_layers)
         return requests
+
+    def release_memory(self) -> None:
+        """Drop the idle KV buffers (kept at their capacity between batches) and the cached
+        prefixes, and hand the freed pages back to the OS: the next batch allocates afresh."""
+        if self.rows:
+            raise RuntimeError("release_memory needs an idle decoder")
+        self.reset()
+        self.prefix_cache.clear()
+        return_freed_memory()  # the worker's arena would keep the pages (engine/heap.py)
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         targets = self.model.state_dict()  # views sharing storage with the parameters

@@ -12,6 +12,7 @@ row, so the column a token sits in never changes what the model computes.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -252,8 +253,18 @@ class WindowCache(Cache):
 class _WindowLayer(DynamicLayer):
     def __init__(self, owner: WindowCache, index: int) -> None:
         super().__init__()
-        self.owner, self.index = owner, index
+        # A weak reference: with a strong one the cache and its layers form a cycle, and a
+        # dropped cache (the decoder's reset or release_memory) would keep its KVBatch's
+        # buffers until Python's cyclic collector happened to run.
+        self._owner = weakref.ref(owner)
+        self.index = index
         self.is_initialized = True
+
+    @property
+    def owner(self) -> WindowCache:
+        owner = self._owner()
+        assert owner is not None, "a window layer outlived its cache"
+        return owner
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any

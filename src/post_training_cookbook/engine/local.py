@@ -141,6 +141,7 @@ class LocalEngine:
         self._versions = WeightVersions(version)
         self._waiting: deque[Request] = deque()
         self._update: WeightsUpdate | None = None
+        self._release_asked = False
         self._closed = False
         self._num_threads = num_threads
         self._worker_threads = 0  # known once the worker starts
@@ -219,7 +220,13 @@ class LocalEngine:
             self._cv.notify()
 
     def release_memory(self) -> None:
-        """Nothing to release: the KV batch grows and shrinks with the live sequences."""
+        """Free the KV buffers, which stay at their largest between batches, and the cached
+        prefixes once no sequence is live (the worker does it): a trainer beside the engine
+        then has that memory for its step, and cached prefixes are cleared at the next
+        weights update anyway. The next batch allocates its buffers afresh."""
+        with self._cv:
+            self._release_asked = True
+            self._cv.notify()
 
     async def wait_for_version(self, version: int) -> None:
         """Return once weights of ``version`` or newer are applied."""
@@ -316,6 +323,9 @@ class LocalEngine:
                 requests = [] if self._update is not None else self._admit()
                 if update is not None or requests or live:
                     return update, requests
+                if self._release_asked:  # idle, and nothing else touches the decoder now
+                    self._decoder.release_memory()
+                    self._release_asked = False
                 self._cv.wait()
             return None
 

@@ -232,13 +232,15 @@ class GRPOConfig:
     """Tokens per forward/backward micro-batch: of its stream when packed
     (``trainer_packing``), else padded (episodes under 3/4 of a micro-batch's longest go to
     another, so padding stays under a quarter). A longer episode gets one alone. Bounds
-    memory, not the result. None: the largest up to 8192 whose activations fit
-    ``memory_budget`` (logged once)."""
+    memory, not the result. None: 2048 on a CPU (no slower a token than larger ones, and
+    less memory), 8192 on a GPU, or less where that does not fit ``memory_budget``; a
+    stream of episodes sharing a prompt may then grow to the largest micro-batch that fits
+    (up to 8192), so that a group stays together (logged once; docs/performance.md)."""
     gradient_checkpointing: bool | None = None
     """Recompute each decoder layer's activations in backward instead of keeping them (one
-    more decoder forward a step). None: on only where 8192 tokens' activations would not fit
-    ``memory_budget`` without it (the bundled model's never do not: a CPU is short of time,
-    not memory). docs/models.md, Memory."""
+    more decoder forward a step). None: on only where the default micro-batch's activations
+    (2048 tokens on a CPU, 8192 on a GPU) would not fit ``memory_budget`` without it (the
+    bundled model's always do). docs/models.md, Memory."""
     memory_budget: float = setting(
         0.5, holds(lambda v: 0 < v <= 1, "{name} must be in (0, 1], got {value}")
     )

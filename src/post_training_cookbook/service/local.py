@@ -11,6 +11,12 @@ training and generation take turns; a loop that runs them at once gives each its
 Once built, the service releases the constructing thread's idle OpenMP pool
 (``engine/threads.py``): from then on that thread hands its parallel work over.
 
+Memory in lockstep (nothing sampling while the trainer steps): before ``forward_backward``
+the engines free their KV buffers and cached prefixes, and on a CPU the pages freed by the
+step, and by a synchronous sync's staged weights, go back to the OS (``engine/heap.py``),
+so that sampling and training, which allocate from different threads' malloc arenas, do
+not hold both peaks at once.
+
 Weight sync modes:
 - SYNCHRONOUS: merged weights are handed to every engine, and the call returns once they
   sample with them (sequences in flight finish first under the old weights).
@@ -32,6 +38,7 @@ from typing import ParamSpec, Protocol, TypeVar, cast
 import torch
 from transformers import PreTrainedModel
 
+from post_training_cookbook.engine.heap import return_freed_memory
 from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
@@ -238,10 +245,16 @@ class LocalModelService(ModelService):
     async def forward_backward(
         self, samples: Sequence[TrainingSample], loss: LossConfig
     ) -> ForwardBackwardResult:
-        if not any(self._in_flight):  # lockstep: nothing samples while the trainer steps
+        lockstep = not any(self._in_flight)  # nothing samples while the trainer steps
+        if lockstep:
             for engine in self.engines:
                 engine.release_memory()
-        return await self._on_trainer(self.trainer.forward_backward, samples, loss)
+        result = await self._on_trainer(self.trainer.forward_backward, samples, loss)
+        if lockstep and self.trainer.device.type == "cpu":
+            # What the step freed stays with the trainer thread's arena unless handed back,
+            # and sampling, on its own thread, could not reuse it (engine/heap.py).
+            return_freed_memory()
+        return result
 
     async def optim_step(self, learning_rate: float) -> OptimStepResult:
         return await self._on_trainer(self.trainer.optim_step, learning_rate)
@@ -260,6 +273,8 @@ class LocalModelService(ModelService):
         applied = asyncio.create_task(self._until_applied(version))
         if sync_type is WeightSyncType.WEIGHT_SYNC_TYPE_SYNCHRONOUS:
             await applied
+            if self.trainer.device.type == "cpu":  # the staged copies, freed (engine/heap.py)
+                return_freed_memory()
         else:
             self._publishing.add(applied)
             applied.add_done_callback(self._publishing.discard)

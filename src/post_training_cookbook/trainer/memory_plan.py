@@ -6,10 +6,18 @@ state, and grow with the tokens of a micro-batch: every decoder layer keeps, per
 MLP's four intermediate-wide tensors, its attention's inputs and outputs and its norms'
 working copies (the estimate of ``benchmarks/memory_table.py`` and ``docs/models.md``);
 with checkpointing a layer keeps only its input, and one layer's worth is rebuilt at a time.
-The plan takes the largest micro-batch, up to ``MAX_MICRO_BATCH_TOKENS``, whose estimate
-fits ``memory_budget`` × the free memory after the weights are loaded: without
-checkpointing where ``MAX_MICRO_BATCH_TOKENS`` fit that way (it costs a forward), with it
-otherwise. A field the settings give is kept as given.
+
+The plan aims at the device's *target* micro-batch: on a CPU ``CPU_MICRO_BATCH_TOKENS``
+(2,048: a CPU processes a token no faster in a larger micro-batch, and at 8k tokens it was
+slower, while the memory keeps growing; docs/performance.md), on a GPU
+``MAX_MICRO_BATCH_TOKENS``. Without checkpointing where the target's estimate fits
+``memory_budget`` × the free memory after the weights are loaded (it costs a forward), with
+it otherwise; the micro-batch is the target, or what fits where less does. The *bound*,
+the largest micro-batch that fits (up to ``MAX_MICRO_BATCH_TOKENS``), is how far a packed
+stream may grow past the target to keep samples that share a prefix in one micro-batch
+(``packing.plan_packed``): splitting a group there would forward its prompt once more. A
+field the settings give is kept as given, and a given ``micro_batch_tokens`` is the bound
+too.
 
 The log-probability chunk (``logprob_chunk_tokens="auto"``) is sized by the vocabulary: the
 trained positions whose fp32 logits fit ``LOGPROB_CHUNK_BYTES`` (forward and backward keep
@@ -30,6 +38,7 @@ from transformers import PreTrainedModel
 log = logging.getLogger(__name__)
 
 MAX_MICRO_BATCH_TOKENS = 8192
+CPU_MICRO_BATCH_TOKENS = 2048
 MIN_MICRO_BATCH_TOKENS = 256
 LOGPROB_CHUNK_BYTES = 64 * 2**20
 MAX_LOGPROB_CHUNK_TOKENS = 1024
@@ -39,6 +48,8 @@ MIN_LOGPROB_CHUNK_TOKENS = 64
 @dataclass(frozen=True)
 class MemoryPlan:
     micro_batch_tokens: int
+    shared_stream_tokens: int
+    """The bound: a packed stream of samples sharing a prefix may grow to this."""
     gradient_checkpointing: bool
     budget_bytes: int
     """``memory_budget`` × the device's free memory when the trainer was built."""
@@ -100,18 +111,26 @@ def plan_memory(
     def fitting(checkpointing: bool) -> int:
         return budget // per_token(checkpointing)
 
-    tokens = micro_batch_tokens or MAX_MICRO_BATCH_TOKENS
+    def clamped(tokens: int, ceiling: int) -> int:
+        return max(MIN_MICRO_BATCH_TOKENS, min(ceiling, tokens))
+
+    device_target = CPU_MICRO_BATCH_TOKENS if device.type == "cpu" else MAX_MICRO_BATCH_TOKENS
+    target = micro_batch_tokens or device_target
     if gradient_checkpointing is None:
-        checkpointing = fitting(False) < tokens
+        checkpointing = fitting(False) < target
     else:
         checkpointing = gradient_checkpointing
     if micro_batch_tokens is None:
-        tokens = max(MIN_MICRO_BATCH_TOKENS, min(MAX_MICRO_BATCH_TOKENS, fitting(checkpointing)))
-    plan = MemoryPlan(tokens, checkpointing, budget, per_token(checkpointing))
+        tokens = clamped(fitting(checkpointing), target)
+        bound = max(tokens, clamped(fitting(checkpointing), MAX_MICRO_BATCH_TOKENS))
+    else:
+        tokens = bound = micro_batch_tokens
+    plan = MemoryPlan(tokens, bound, checkpointing, budget, per_token(checkpointing))
     log.info(
-        "trainer: micro_batch_tokens=%d%s, gradient_checkpointing=%s%s (memory_budget %.2f of "
-        "%.1f GiB free on %s; ~%.1f MiB of activations a 1k tokens)",
-        tokens, "" if micro_batch_tokens is None else " (as set)", checkpointing,
+        "trainer: micro_batch_tokens=%d%s (streams sharing a prefix up to %d), "
+        "gradient_checkpointing=%s%s (memory_budget %.2f of %.1f GiB free on %s; ~%.1f MiB "
+        "of activations a 1k tokens)",
+        tokens, "" if micro_batch_tokens is None else " (as set)", bound, checkpointing,
         "" if gradient_checkpointing is None else " (as set)", memory_budget,
         budget / memory_budget / 2**30, device, plan.bytes_per_token * 1000 / 2**20,
     )  # fmt: skip

@@ -51,30 +51,50 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def plan_packed(
-    samples: Sequence[TrainingSample], max_tokens: int, share_prefixes: bool
+    samples: Sequence[TrainingSample],
+    max_tokens: int,
+    share_prefixes: bool,
+    shared_tokens: int | None = None,
 ) -> list[list[int]]:
     """Indices into ``samples``, one list per micro-batch, whose streams hold at most
-    ``max_tokens`` tokens (a longer sample gets a micro-batch of its own). Sharing: in
-    lexicographic order, where a sample costs only the tokens after its common prefix with
-    the previous one; otherwise longest first."""
+    ``max_tokens`` tokens (a longer sample gets a micro-batch of its own). Without sharing,
+    longest first. With it, in lexicographic order, where a sample costs only the tokens after
+    its common prefix with the previous one; a sample that shares at least as many tokens as
+    it adds continues the previous one's *run* (a group's episodes after their prompt), and
+    a run stays in one micro-batch up to ``shared_tokens`` (default ``max_tokens``): split
+    there, it would forward its shared prefix again."""
+    bound = max(max_tokens, shared_tokens or max_tokens) if share_prefixes else max_tokens
     if share_prefixes:
         order = sorted(range(len(samples)), key=lambda i: samples[i].tokens)
     else:
         order = sorted(range(len(samples)), key=lambda i: -len(samples[i].tokens))
-    plan: list[list[int]] = []
-    used = 0
+    runs: list[list[int]] = []
+    run_tokens: list[int] = []  # each run's stream tokens on its own
     previous: list[int] = []
     for index in order:
         tokens = samples[index].tokens
         shared = common_prefix_length(previous, tokens) if share_prefixes else 0
-        cost = len(tokens) - shared
+        added = len(tokens) - shared
+        if runs and shared >= added and run_tokens[-1] + added <= bound:
+            runs[-1].append(index)
+            run_tokens[-1] += added
+        else:
+            runs.append([index])
+            run_tokens.append(len(tokens))
+        previous = tokens
+    plan: list[list[int]] = []
+    used = 0
+    for run, size in zip(runs, run_tokens, strict=True):
+        # After the run before it, a run's first sample shares that run's last one's prefix.
+        last = samples[plan[-1][-1]].tokens if plan else []
+        first = samples[run[0]].tokens
+        cost = size - (common_prefix_length(last, first) if share_prefixes else 0)
         if plan and used + cost <= max_tokens:
-            plan[-1].append(index)
+            plan[-1] += run
             used += cost
         else:
-            plan.append([index])
-            used = len(tokens)
-        previous = tokens
+            plan.append(list(run))
+            used = size
     return plan
 
 
@@ -126,26 +146,36 @@ def collate_packed(
 
 
 def packed_micro_batches(
-    samples: Sequence[TrainingSample], max_tokens: int, device: torch.device, mode: PackingMode
+    samples: Sequence[TrainingSample],
+    max_tokens: int,
+    device: torch.device,
+    mode: PackingMode,
+    shared_tokens: int | None = None,
 ) -> Iterator[MicroBatch]:
     """The micro-batches of ``plan_packed``, each collated as one stream."""
     share = mode == "shared_prefix"
-    for indices in plan_packed(samples, max_tokens, share):
+    for indices in plan_packed(samples, max_tokens, share, shared_tokens):
         yield collate_packed(samples, indices, device, share)
 
 
 def split_packed_across_ranks(
-    samples: Sequence[TrainingSample], world_size: int, max_tokens: int, mode: PackingMode
+    samples: Sequence[TrainingSample],
+    world_size: int,
+    max_tokens: int,
+    mode: PackingMode,
+    shared_tokens: int | None = None,
 ) -> list[list[list[int]]]:
     """Each rank's packed micro-batches (``sharded.split_across_ranks`` for packed ones):
-    micro-batches of at most a rank's fair share of the stream tokens (and ``max_tokens``),
+    micro-batches of at most a rank's fair share of the stream tokens (and ``max_tokens``,
+    or ``shared_tokens`` for a run of samples sharing a prefix, as in ``plan_packed``),
     so that a group's episodes stay together where they fit, handed out largest first to
     the rank with the fewest stream tokens so far (the lowest on a tie); every rank gets as
     many, padded with ``[]``. Deterministic, so every rank computes every rank's share."""
     share = mode == "shared_prefix"
-    fair = math.ceil(stream_tokens(samples, max_tokens, mode) / world_size)
-    units = plan_packed(samples, max(1, min(max_tokens, fair)), share)
-    costs = [stream_tokens([samples[i] for i in unit], max_tokens, mode) for unit in units]
+    fair = math.ceil(stream_tokens(samples, max_tokens, mode, shared_tokens) / world_size)
+    bound = max(1, min(shared_tokens or max_tokens, fair))
+    units = plan_packed(samples, max(1, min(max_tokens, fair)), share, bound)
+    costs = [stream_tokens([samples[i] for i in unit], bound, mode, bound) for unit in units]
     plans: list[list[list[int]]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
     for unit in sorted(range(len(units)), key=lambda u: -costs[u]):
@@ -156,16 +186,21 @@ def split_packed_across_ranks(
     return [plan + [[]] * (count - len(plan)) for plan in plans]
 
 
-def stream_tokens(samples: Sequence[TrainingSample], max_tokens: int, mode: PackingMode) -> int:
+def stream_tokens(
+    samples: Sequence[TrainingSample],
+    max_tokens: int,
+    mode: PackingMode,
+    shared_tokens: int | None = None,
+) -> int:
     """Tokens the decoder processes for ``samples`` in ``mode`` (padding included for
-    "off"): what ``benchmarks/packing.py`` reports."""
+    "off"), micro-batched as the trainer does: what ``benchmarks/packing.py`` reports."""
     if mode == "off":
         lengths = [len(s.tokens) for s in samples]
         groups = length_groups(lengths, max_tokens=max_tokens)
         return sum(len(group) * lengths[group[0]] for group in groups)
     share = mode == "shared_prefix"
     total = 0
-    for indices in plan_packed(samples, max_tokens, share):
+    for indices in plan_packed(samples, max_tokens, share, shared_tokens):
         previous: list[int] = []
         for index in indices:
             tokens = samples[index].tokens

@@ -219,6 +219,7 @@ class Shards:
         max_tokens: int,
         device: torch.device,
         packing: PackingMode = "off",
+        shared_tokens: int | None = None,
     ) -> Iterator[MicroBatch]:
         """This rank's micro-batches of the whole batch ``samples`` (packed ones with
         ``packing``: ``packing.split_packed_across_ranks``); padding ones hold one short row
@@ -229,7 +230,9 @@ class Shards:
             lengths = [len(sample.tokens) for sample in samples]
             plan = split_across_ranks(lengths, self.world_size, max_tokens)[self.rank]
         else:
-            plans = split_packed_across_ranks(samples, self.world_size, max_tokens, packing)
+            plans = split_packed_across_ranks(
+                samples, self.world_size, max_tokens, packing, shared_tokens
+            )
             plan = plans[self.rank]
         shortest = min(samples, key=lambda sample: len(sample.tokens)).tokens[:2]
         zeros = [0.0] * len(shortest)
@@ -251,12 +254,17 @@ class Shards:
                 batch.indices = []
                 yield batch
 
-    def agree(self, micro_batch_tokens: int, gradient_checkpointing: bool) -> tuple[int, bool]:
-        """The smallest micro-batch of any rank's memory plan, and checkpointing if any
-        rank's plan has it: every rank splits the batch alike (``split_across_ranks``)."""
-        values = torch.tensor([-micro_batch_tokens, int(gradient_checkpointing)])
+    def agree(
+        self, micro_batch_tokens: int, shared_stream_tokens: int, gradient_checkpointing: bool
+    ) -> tuple[int, int, bool]:
+        """The smallest micro-batch and stream bound of any rank's memory plan, and
+        checkpointing if any rank's plan has it: every rank splits the batch alike
+        (``split_across_ranks``)."""
+        values = torch.tensor(
+            [-micro_batch_tokens, -shared_stream_tokens, int(gradient_checkpointing)]
+        )
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        return int(-values[0]), bool(values[1])
+        return int(-values[0]), int(-values[1]), bool(values[2])
 
     def sum_results(
         self, loss: float, metric_sums: dict[str, float]

@@ -66,6 +66,7 @@ from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
     Precision,
     bf16_autocast_is_fast,
+    cast_norm_outputs_once,
     check_precision,
     clip_gradients,
     new_optimizer,
@@ -185,22 +186,33 @@ class Trainer:
                 micro_batch_tokens=micro_batch_tokens,
                 gradient_checkpointing=gradient_checkpointing,
             )  # fmt: skip
-            micro_batch_tokens, gradient_checkpointing = (
+            micro_batch_tokens, shared_stream_tokens, gradient_checkpointing = (
                 plan.micro_batch_tokens,
+                plan.shared_stream_tokens,
                 plan.gradient_checkpointing,
             )
             if self._shards is not None:  # every rank must split the batch alike
-                micro_batch_tokens, gradient_checkpointing = self._shards.agree(
-                    micro_batch_tokens, gradient_checkpointing
+                micro_batch_tokens, shared_stream_tokens, gradient_checkpointing = (
+                    self._shards.agree(
+                        micro_batch_tokens, shared_stream_tokens, gradient_checkpointing
+                    )
                 )
+        else:
+            shared_stream_tokens = micro_batch_tokens
         self.micro_batch_tokens: int = micro_batch_tokens
+        self.shared_stream_tokens: int = shared_stream_tokens
+        """How far a packed stream may grow past ``micro_batch_tokens`` to keep samples that
+        share a prefix together (``memory_plan.py``)."""
         scorer = functools.partial(
             TokenLogprobs, route=choose_route(base), chunk_tokens=logprob_chunk_tokens,
             autocast_bf16=autocast_bf16,
         )  # fmt: skip
         self._reference: TokenLogprobs | None = None
         if reference_model and not use_lora:
-            self._reference = scorer(copy.deepcopy(base).eval().requires_grad_(False))
+            frozen = copy.deepcopy(base).eval().requires_grad_(False)
+            if autocast_bf16:
+                cast_norm_outputs_once(frozen)
+            self._reference = scorer(frozen)
         if gradient_checkpointing:
             enable_gradient_checkpointing(base)
         self.gradient_checkpointing = gradient_checkpointing
@@ -213,6 +225,8 @@ class Trainer:
             # peft would keep a bf16 base's adapter in fp32; the precision decides instead.
             self._model = get_peft_model(base, config, autocast_adapter_dtype=False)
         self._causal_lm = base  # with LoRA, peft injected its layers into this same module
+        if autocast_bf16:
+            cast_norm_outputs_once(base)  # (after peft: its LoRA layers' own casts go too)
         self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
         if self._shards is not None:  # (the KL reference too)
             self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
@@ -436,9 +450,9 @@ class Trainer:
             return cast(Tensor, self._scorer(batch)[0])
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
-        budget, mode = self.micro_batch_tokens, self.packing_mode
+        budget, mode, shared = self.micro_batch_tokens, self.packing_mode, self.shared_stream_tokens
         if self._shards is not None:
-            return self._shards.micro_batches(samples, budget, self.device, mode)
+            return self._shards.micro_batches(samples, budget, self.device, mode, shared)
         if mode != "off":
-            return packed_micro_batches(samples, budget, self.device, mode)
+            return packed_micro_batches(samples, budget, self.device, mode, shared)
         return micro_batches(samples, budget, self.device)
