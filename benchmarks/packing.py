@@ -28,8 +28,9 @@ on CPU the allocator keeps what it took, so the growth of a later step alone rea
 for whichever layout's warm-up already reached its peak.
 
 The trainer's settings are ``GRPOConfig``'s defaults unless given: ``micro_batch_tokens``
-and gradient checkpointing from the memory plan (``memory_budget`` 0.5 of free memory),
-the default log-probability chunk.
+(2,048 on a CPU; a stream sharing a prefix up to the largest that fits) and gradient
+checkpointing from the memory plan (``memory_budget`` 0.5 of free memory), the default
+log-probability chunk.
 """
 
 from __future__ import annotations
@@ -155,10 +156,13 @@ def measure(args: argparse.Namespace) -> Row:
         trainer.optim_step(1e-6)
     seconds = (time.perf_counter() - start) / args.steps
     peak = peak_bytes(device) - resident
-    processed = stream_tokens(samples, trainer.micro_batch_tokens, trainer.packing_mode)
+    processed = stream_tokens(
+        samples, trainer.micro_batch_tokens, trainer.packing_mode, trainer.shared_stream_tokens
+    )
     trained = sum(s.num_trained_tokens for s in samples)
     settings = (
         f"micro_batch_tokens={trainer.micro_batch_tokens} "
+        f"shared_stream_tokens={trainer.shared_stream_tokens} "
         f"gradient_checkpointing={trainer.gradient_checkpointing} "
         f"logprob_chunk_tokens={trainer.logprob_chunk_tokens}"
     )

@@ -2,6 +2,7 @@
 
     python -m venv .venv-trl && .venv-trl/bin/pip install -r requirements/trl-benchmark.txt
     python benchmarks/trl_memory.py [--trl-python PATH] [--ours off shared_prefix:checkpointed]
+        [--steps N]
 
 The work (issue 27's shape (b)): a random-initialised model of SmolLM2-135M's shape
 (``SMOLLM2_135M`` of ``benchmarks/packing.py``; a byte-level BPE tokenizer of its 49,152
@@ -14,15 +15,16 @@ TRL's completions are held at 224 tokens (``min_new_tokens``); ours stop early o
 stop token is sampled (p ≈ 1/49,152 a token; the table prints the sampled count).
 
 Each side runs in a fresh subprocess and reports its peak resident set (``VmHWM`` of
-``/proc/self/status``): after the step (sampling + training + weight sync for ours; after
-``trainer.train()`` for TRL, which saves nothing), also above the resident set right after
+``/proc/self/status``): after the steps (sampling + training + weight sync for ours, the
+last sync's; after ``trainer.train()`` for TRL, which saves nothing), the peak when the
+first step's sampling ended ("sampled"), also above the resident set right after
 the model loaded (TRL: ``from_pretrained``; ours: the model service open, its trainer and
 generator both loaded), and for ours the peak of the whole run (final checkpoint and model
 included). Sides, each at its library's defaults except what the work needs:
 
 - ``trl``: trl's ``GRPOConfig`` (gradient checkpointing and bf16 on by default; bf16 is
   turned off here: fp32 on CPU), ``num_generations=4``, the default 8 per device × 2
-  accumulation steps = 16 completions an optimizer step, ``max_steps=1``, no vLLM.
+  accumulation steps = 16 completions an optimizer step, ``max_steps=--steps`` (1), no vLLM.
 - ``ours``: ``GRPOConfig`` defaults (``trainer_packing="shared_prefix"``, the memory plan
   picks micro-batch and checkpointing, logged and printed), ``batch_size=4``,
   ``episodes_per_task=4``, ``max_turns=1``, ``max_tokens_per_turn=224``, no W&B, no
@@ -115,7 +117,7 @@ def build(folder: Path) -> dict[str, list[str]]:
     return prompts
 
 
-def run_trl(folder: str, prompts: list[str], scratch: str) -> dict[str, object]:
+def run_trl(folder: str, prompts: list[str], scratch: str, steps: int) -> dict[str, object]:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -128,7 +130,7 @@ def run_trl(folder: str, prompts: list[str], scratch: str) -> dict[str, object]:
     loaded = proc_status("VmRSS")
     args = GRPOConfig(
         output_dir=scratch, num_generations=GROUP, gradient_accumulation_steps=2,
-        max_completion_length=COMPLETION_TOKENS, max_steps=1, report_to="none", use_cpu=True,
+        max_completion_length=COMPLETION_TOKENS, max_steps=steps, report_to="none", use_cpu=True,
         bf16=False, use_vllm=False, save_strategy="no", logging_steps=1, seed=SEED,
         generation_kwargs={"min_new_tokens": COMPLETION_TOKENS},
     )  # fmt: skip
@@ -163,7 +165,9 @@ def run_trl(folder: str, prompts: list[str], scratch: str) -> dict[str, object]:
     }  # fmt: skip
 
 
-def run_ours(folder: str, prompts: list[str], scratch: str, variant: str) -> dict[str, object]:
+def run_ours(
+    folder: str, prompts: list[str], scratch: str, variant: str, steps: int
+) -> dict[str, object]:
     import logging
 
     from post_training_cookbook.envs.base import Task
@@ -184,7 +188,8 @@ def run_ours(folder: str, prompts: list[str], scratch: str, variant: str) -> dic
         return service
 
     async def counted(self, samples, loss):  # type: ignore[no-untyped-def]
-        marks["sampled"] = proc_status("VmHWM")
+        marks.setdefault("sampled", proc_status("VmHWM"))  # the first step's
+        marks.setdefault("resident_at_training", proc_status("VmRSS"))
         marks["samples"] = len(samples)
         marks["completion_tokens"] = sum(sum(s.mask) for s in samples)
         marks["tokens"] = sum(len(s.tokens) for s in samples)
@@ -202,7 +207,7 @@ def run_ours(folder: str, prompts: list[str], scratch: str, variant: str) -> dic
     LocalModelService.forward_backward = counted  # type: ignore[method-assign]
     LocalModelService.weights_sync = synced  # type: ignore[method-assign]
     config = GRPOConfig(
-        model=folder, codec="hermes", batch_size=TASKS, episodes_per_task=GROUP, num_steps=1,
+        model=folder, codec="hermes", batch_size=TASKS, episodes_per_task=GROUP, num_steps=steps,
         max_turns=1, max_tokens_per_turn=COMPLETION_TOKENS, wandb_project=None,
         validation_interval=0, runs_dir=scratch, run_name="trl-memory", seed=SEED,
         trainer_packing=packing, gradient_checkpointing=True if checkpointed else None,
@@ -215,19 +220,20 @@ def child(args: argparse.Namespace) -> None:
     prompts = json.loads(Path(args.prompts).read_text())
     with tempfile.TemporaryDirectory() as scratch:
         if args.child == "trl":
-            row = run_trl(args.folder, prompts["trl"], scratch)
+            row = run_trl(args.folder, prompts["trl"], scratch, args.steps)
         else:
-            row = run_ours(args.folder, prompts["ours"], scratch, args.child.partition(":")[2])
+            variant = args.child.partition(":")[2]
+            row = run_ours(args.folder, prompts["ours"], scratch, variant, args.steps)
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def measure(side: str, python: str, folder: Path, prompts: Path) -> dict[str, object]:
+def measure(side: str, python: str, folder: Path, prompts: Path, steps: int) -> dict[str, object]:
     env = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     if side != "trl":
         paths = [str(ROOT / "src"), env.get("PYTHONPATH")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     command = [python, __file__, "--child", side, "--folder", str(folder), "--prompts"]
-    command.append(str(prompts))
+    command += [str(prompts), "--steps", str(steps)]
     started = time.monotonic()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     output = done.stdout + done.stderr
@@ -248,6 +254,7 @@ def main() -> None:
         "--ours", nargs="*", default=["off", "shared_prefix:checkpointed"],
         help="more variants of ours: a trainer_packing, ':checkpointed' for checkpointing on",
     )  # fmt: skip
+    parser.add_argument("--steps", type=int, default=1, help="GRPO steps on each side")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -259,7 +266,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder, prompts = Path(scratch) / "smollm2-135m-shape", Path(scratch) / "prompts.json"
         prompts.write_text(json.dumps(build(folder)))
-        rows = [measure(side, python, folder, prompts) for side, python in sides]
+        rows = [measure(side, python, folder, prompts, args.steps) for side, python in sides]
     gib, trl = 2**30, rows[0]
     head = ("side", "peak GiB", "above load", "sampled", "loaded", "run peak", "ratio",
             "ratio above", "completion", "wall s")  # fmt: skip
