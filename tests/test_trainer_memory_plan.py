@@ -7,11 +7,17 @@ import logging
 
 import pytest
 import torch
-from test_trainer_packing import tiny_model
+import transformers
+from test_trainer_packing import shaped_groups, tiny_model
 
 from post_training_cookbook.trainer import memory_plan
-from post_training_cookbook.trainer.memory_plan import activation_bytes_per_token, plan_memory
+from post_training_cookbook.trainer.memory_plan import (
+    activation_bytes_per_token,
+    layers_to_checkpoint,
+    plan_memory,
+)
 from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import LossConfig
 
 CPU = torch.device("cpu")
 
@@ -80,3 +86,56 @@ def test_explicit_fields_win_and_the_plan_is_said_once(
 def test_a_memory_budget_outside_0_1_is_refused_before_loading() -> None:
     with pytest.raises(ValueError, match="memory_budget"):
         Trainer("/nonexistent", use_lora=True, memory_budget=1.5)
+
+
+def test_layers_to_checkpoint_keep_a_stream_near_the_target_s_activations() -> None:
+    assert layers_to_checkpoint(30, 2048, 2048) == 0
+    assert layers_to_checkpoint(30, 3152, 2048) == 17  # ceil(1.5 · 30 · 0.35) + 1
+    assert layers_to_checkpoint(30, 10**6, 2048) == 30
+
+
+def four_layers() -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_a_planned_stream_past_the_target_checkpoints_some_layers_with_the_same_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A group's stream kept whole past ``micro_batch_tokens`` (the plan's bound) runs its
+    first layers checkpointed, each forwarded again in backward; the update is the plain
+    path's."""
+    with_free(monkeypatch, 2**40)
+    monkeypatch.setattr(memory_plan, "CPU_MICRO_BATCH_TOKENS", 300)  # below one group's stream
+    samples = shaped_groups(groups=2, episodes=4, prompt=120, added=40)  # streams of 280
+    planned = Trainer(four_layers(), use_lora=True, micro_batch_tokens=None,
+                      gradient_checkpointing=None, autocast_bf16=False, seed=0)  # fmt: skip
+    assert (planned.micro_batch_tokens, planned.gradient_checkpointing) == (300, False)
+    calls: list[int] = []
+    layers = planned._stream_checkpointing.layers  # type: ignore[union-attr]
+    for index, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, i=index: calls.append(i))
+    planned_result = planned.forward_backward(samples, LossConfig())
+    grads = {n: p.grad.clone() for n, p in planned.trainable_parameters().items()}
+    # Two streams of 280 would be one of 560 past the target of 300: each group alone, and
+    # no layer checkpointed (both within it).
+    assert calls == [0, 1, 2, 3] * 2 and all(not layer.gradient_checkpointing for layer in layers)
+    monkeypatch.setattr(memory_plan, "CPU_MICRO_BATCH_TOKENS", 256)  # now each stream is past it
+    calls.clear()
+    tight = Trainer(four_layers(), use_lora=True,
+                    micro_batch_tokens=None, gradient_checkpointing=None, autocast_bf16=False,
+                    seed=0)  # fmt: skip
+    assert tight.micro_batch_tokens == 256 and tight.shared_stream_tokens > 280
+    for index, layer in enumerate(tight._stream_checkpointing.layers):  # type: ignore[union-attr]
+        layer.register_forward_pre_hook(lambda module, args, i=index: calls.append(i))
+    tight_result = tight.forward_backward(samples, LossConfig())
+    count = layers_to_checkpoint(4, 280, 256)  # ceil(1.5 · 4 · 24/280) + 1 = 2 of the 4
+    rebuilt = list(range(count))[::-1]  # backward rebuilds the checkpointed layers, last first
+    assert calls == [0, 1, 2, 3, *rebuilt] * 2
+    assert tight_result.loss == pytest.approx(planned_result.loss, rel=1e-6)
+    for name, grad in tight.trainable_parameters().items():
+        torch.testing.assert_close(grad.grad, grads[name], rtol=1e-5, atol=1e-7)

@@ -240,7 +240,9 @@ class GRPOConfig:
     """Recompute each decoder layer's activations in backward instead of keeping them (one
     more decoder forward a step). None: on only where the default micro-batch's activations
     (2048 tokens on a CPU, 8192 on a GPU) would not fit ``memory_budget`` without it (the
-    bundled model's always do). docs/models.md, Memory."""
+    bundled model's always do); a stream of episodes sharing a prompt that grew past the
+    micro-batch then checkpoints just enough of its layers to keep about the micro-batch's
+    memory. docs/models.md, Memory."""
     memory_budget: float = setting(
         0.5, holds(lambda v: 0 < v <= 1, "{name} must be in (0, 1], got {value}")
     )

@@ -17,7 +17,10 @@ the largest micro-batch that fits (up to ``MAX_MICRO_BATCH_TOKENS``), is how far
 stream may grow past the target to keep samples that share a prefix in one micro-batch
 (``packing.plan_packed``): splitting a group there would forward its prompt once more. A
 field the settings give is kept as given, and a given ``micro_batch_tokens`` is the bound
-too.
+too. A stream that grows past the target checkpoints as many of its decoder layers as keep
+its activations near the target's (``StreamCheckpointing``), where the plan chose no
+checkpointing: the long prompt's group then keeps the padded layout's memory at a part of
+its time (docs/performance.md, run 9).
 
 The log-probability chunk (``logprob_chunk_tokens="auto"``) is sized by the vocabulary: the
 trained positions whose fp32 logits fit ``LOGPROB_CHUNK_BYTES`` (forward and backward keep
@@ -28,12 +31,18 @@ is one micro-batch, above the padded one's peak (docs/performance.md).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 log = logging.getLogger(__name__)
 
@@ -135,3 +144,44 @@ def plan_memory(
         budget / memory_budget / 2**30, device, plan.bytes_per_token * 1000 / 2**20,
     )  # fmt: skip
     return plan
+
+
+STREAM_ACTIVATION_FACTOR = 1.5
+"""A shared-prefix stream's activations a token against a padded row's: each continuation
+gathers its whole path's keys and values for attention and keeps them for backward. Measured
+on the long prompt's group (docs/performance.md, run 9): checkpointing by the token ratio
+alone (12 of 30 layers) left its peak 1.15× the padded layout's."""
+
+
+def layers_to_checkpoint(num_layers: int, stream_tokens: int, target_tokens: int) -> int:
+    """Decoder layers to checkpoint so that a shared-prefix stream of ``stream_tokens`` keeps
+    about the activations ``target_tokens`` of padded rows keep without checkpointing:
+    ``STREAM_ACTIVATION_FACTOR`` · L · (1 − target / stream), rounded up, and one more for
+    the layer rebuilt in backward; 0 within the target."""
+    if stream_tokens <= target_tokens:
+        return 0
+    share = STREAM_ACTIVATION_FACTOR * (1 - target_tokens / stream_tokens)
+    return min(num_layers, math.ceil(num_layers * share) + 1)
+
+
+class StreamCheckpointing:
+    """Checkpointing of the first decoder layers for one micro-batch at a time (transformers'
+    per-layer flag, non-reentrant as ``models.loading.enable_gradient_checkpointing``)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        for layer in self.layers:
+            layer._gradient_checkpointing_func = checkpoint  # type: ignore[assignment]
+
+    @contextlib.contextmanager
+    def first(self, count: int) -> Iterator[None]:
+        """The first ``count`` layers checkpointed inside the block (its backward included)."""
+        chosen = self.layers[:count]
+        for layer in chosen:
+            layer.gradient_checkpointing = True
+        try:
+            yield
+        finally:
+            for layer in chosen:
+                layer.gradient_checkpointing = False

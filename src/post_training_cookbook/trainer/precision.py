@@ -53,13 +53,14 @@ def cast_norm_outputs_once(model: Any) -> bool:
     Autocast casts a linear's fp32 input to bf16 for each linear it feeds, and keeps each
     cast for backward: q, k and v, gate and up, and LoRA's A beside each, cast the same
     tensor ten times a layer. Cast once, the copies are one (0.3 GiB less at the peak of a
-    LoRA step of SmolLM2 in micro-batches of 1,286 tokens, docs/performance.md). The forward is the same to
-    the bit (the one cast rounds as each did); in backward the gradients the projections
-    send to a norm's output are summed in bf16 rather than fp32, within bf16's rounding
-    (``tests/test_trainer_autocast_casts.py``). peft's own cast of a LoRA input to the
-    adapter's dtype, which would undo it, is turned off (under autocast the adapter's
-    matmul casts as it needs). A no-op outside autocast and for other families (where a
-    norm may feed a residual, e.g. Gemma's post-norms); True when applied."""
+    LoRA step of SmolLM2 in micro-batches of 1,286 tokens, docs/performance.md). The
+    forward is the same to the bit (the one cast rounds as each did); in backward the
+    gradients the projections send to a norm's output are summed in bf16 rather than fp32,
+    within bf16's rounding (``tests/test_trainer_autocast_casts.py``). peft's own cast of a
+    LoRA input to the adapter's dtype, which would undo it, is turned off (under autocast
+    the adapter's matmul casts as it needs). A no-op outside autocast and for other
+    families (where a norm may feed a residual, e.g. Gemma's post-norms); True when
+    applied."""
     config = getattr(model, "config", None)
     layers = getattr(getattr(model, "model", None), "layers", None)
     if getattr(config, "model_type", None) not in PRE_NORM_FAMILIES or layers is None:

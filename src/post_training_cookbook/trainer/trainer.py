@@ -30,6 +30,7 @@ What these choices measured, on which machine: ``docs/performance.md``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -60,7 +61,12 @@ from post_training_cookbook.trainer.logprobs import (
     micro_batches,
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
-from post_training_cookbook.trainer.memory_plan import auto_logprob_chunk_tokens, plan_memory
+from post_training_cookbook.trainer.memory_plan import (
+    StreamCheckpointing,
+    auto_logprob_chunk_tokens,
+    layers_to_checkpoint,
+    plan_memory,
+)
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
@@ -149,6 +155,7 @@ class Trainer:
         check_batch_options(
             micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
         )
+        gradient_checkpointing_setting = gradient_checkpointing
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -216,6 +223,14 @@ class Trainer:
         if gradient_checkpointing:
             enable_gradient_checkpointing(base)
         self.gradient_checkpointing = gradient_checkpointing
+        # A planned stream past micro_batch_tokens checkpoints some of its layers (not sharded:
+        # ranks holding different streams would differ in their collectives' order).
+        planned = gradient_checkpointing_setting is None and not gradient_checkpointing
+        self._stream_checkpointing = (
+            StreamCheckpointing(base)
+            if planned and self._shards is None and shared_stream_tokens > micro_batch_tokens
+            else None
+        )
         self._model: torch.nn.Module = base
         if use_lora:
             config = LoraConfig(
@@ -295,12 +310,13 @@ class Trainer:
         metric_sums: dict[str, float] = {}
         for batch in self._micro_batches(samples):
             reference = self._reference_logprobs(batch) if loss.kl_beta > 0 else None
-            logprobs, entropy_sum = self._scorer(batch)
-            value, metrics = loss_fn(
-                logprobs, batch.sampler_logprobs, batch.advantages, batch.mask, loss,
-                reference_logprobs=reference, totals=totals,
-            )  # fmt: skip
-            value.backward()
+            with self._checkpointing_for(batch):
+                logprobs, entropy_sum = self._scorer(batch)
+                value, metrics = loss_fn(
+                    logprobs, batch.sampler_logprobs, batch.advantages, batch.mask, loss,
+                    reference_logprobs=reference, totals=totals,
+                )  # fmt: skip
+                value.backward()
             total_loss += value.item()
             tokens = batch.mask.sum().item()
             metrics["loss/entropy"] = entropy_sum / max(tokens, 1e-8)
@@ -448,6 +464,15 @@ class Trainer:
             return cast(Tensor, self._reference(batch)[0])
         with cast(PeftModel, self._model).disable_adapter():
             return cast(Tensor, self._scorer(batch)[0])
+
+    def _checkpointing_for(self, batch: MicroBatch) -> contextlib.AbstractContextManager[None]:
+        """Checkpointing of some layers for a packed stream grown past ``micro_batch_tokens``
+        (``memory_plan.layers_to_checkpoint``); nothing for any other micro-batch."""
+        if self._stream_checkpointing is None or batch.packed is None:
+            return contextlib.nullcontext()
+        layers = self._stream_checkpointing.layers
+        count = layers_to_checkpoint(len(layers), batch.packed.num_tokens, self.micro_batch_tokens)
+        return self._stream_checkpointing.first(count)
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
         budget, mode, shared = self.micro_batch_tokens, self.packing_mode, self.shared_stream_tokens
