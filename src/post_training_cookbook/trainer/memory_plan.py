@@ -19,7 +19,7 @@ stream may grow past the target to keep samples that share a prefix in one micro
 field the settings give is kept as given, and a given ``micro_batch_tokens`` is the bound
 too. A stream that grows past the target checkpoints as many of its decoder layers as keep
 its activations near the target's (``StreamCheckpointing``), where the plan chose no
-checkpointing: the long prompt's group then keeps the padded layout's memory at a part of
+checkpointing: the long prompt's group then peaks under the padded layout (0.88×) at 0.30×
 its time (docs/performance.md, run 9).
 
 The log-probability chunk (``logprob_chunk_tokens="auto"``) is sized by the vocabulary: the
