@@ -139,3 +139,6 @@ def test_a_planned_stream_past_the_target_checkpoints_some_layers_with_the_same_
     assert tight_result.loss == pytest.approx(planned_result.loss, rel=1e-6)
     for name, grad in tight.trainable_parameters().items():
         torch.testing.assert_close(grad.grad, grads[name], rtol=1e-5, atol=1e-7)
+    calls.clear()  # a lone sample past the target is kept whole, as a padded row is
+    tight.forward_backward(shaped_groups(groups=1, episodes=1, prompt=150, added=150), LossConfig())
+    assert calls == [0, 1, 2, 3]

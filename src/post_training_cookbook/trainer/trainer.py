@@ -155,7 +155,7 @@ class Trainer:
         check_batch_options(
             micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
         )
-        gradient_checkpointing_setting = gradient_checkpointing
+        checkpointing_planned = gradient_checkpointing is None
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -223,12 +223,18 @@ class Trainer:
         if gradient_checkpointing:
             enable_gradient_checkpointing(base)
         self.gradient_checkpointing = gradient_checkpointing
-        # A planned stream past micro_batch_tokens checkpoints some of its layers (not sharded:
-        # ranks holding different streams would differ in their collectives' order).
-        planned = gradient_checkpointing_setting is None and not gradient_checkpointing
+        # A shared-prefix stream kept past micro_batch_tokens checkpoints some of its layers
+        # where the plan chose no checkpointing (not sharded: ranks holding different streams
+        # would differ in their collectives' order).
+        streams_may_grow = (
+            self.packing_mode == "shared_prefix" and shared_stream_tokens > micro_batch_tokens
+        )
         self._stream_checkpointing = (
             StreamCheckpointing(base)
-            if planned and self._shards is None and shared_stream_tokens > micro_batch_tokens
+            if checkpointing_planned
+            and not gradient_checkpointing
+            and self._shards is None
+            and streams_may_grow
             else None
         )
         self._model: torch.nn.Module = base
@@ -466,9 +472,10 @@ class Trainer:
             return cast(Tensor, self._scorer(batch)[0])
 
     def _checkpointing_for(self, batch: MicroBatch) -> contextlib.AbstractContextManager[None]:
-        """Checkpointing of some layers for a packed stream grown past ``micro_batch_tokens``
-        (``memory_plan.layers_to_checkpoint``); nothing for any other micro-batch."""
-        if self._stream_checkpointing is None or batch.packed is None:
+        """Checkpointing of some layers for a stream of samples sharing a prefix grown past
+        ``micro_batch_tokens`` (``memory_plan.layers_to_checkpoint``); nothing for any other
+        micro-batch, a lone sample longer than it included (as padded rows do)."""
+        if self._stream_checkpointing is None or batch.packed is None or len(batch.indices) < 2:
             return contextlib.nullcontext()
         layers = self._stream_checkpointing.layers
         count = layers_to_checkpoint(len(layers), batch.packed.num_tokens, self.micro_batch_tokens)
