@@ -22,11 +22,18 @@ from post_training_cookbook.engine.threads import release_idle_openmp_pool
 # Runs in a fresh process: the count of OS threads there is the test's own.
 _SCRIPT = textwrap.dedent(
     """
-    import json, os, torch
+    import json, os, time, torch
     from post_training_cookbook.engine.threads import release_idle_openmp_pool
 
     def threads():
         return len(os.listdir("/proc/self/task"))
+
+    def threads_once_settled(target):
+        # Released workers exit on their own schedule: on a loaded machine, after the call.
+        deadline = time.monotonic() + 10.0
+        while threads() != target and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return threads()
 
     torch.set_num_threads(2)
     x = torch.randn(512, 512)
@@ -34,7 +41,7 @@ _SCRIPT = textwrap.dedent(
     first = (x @ x).sum().item()  # a parallel op: the main thread's pool starts
     with_pool = threads()
     released = release_idle_openmp_pool()
-    after_release = threads()
+    after_release = threads_once_settled(alone)
     second = (x @ x).sum().item()  # torch starts a pool again
     print(json.dumps({
         "alone": alone, "with_pool": with_pool, "released": released,
