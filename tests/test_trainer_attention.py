@@ -42,7 +42,10 @@ def logits_and_grads(
     return logits.detach()[valid], grads
 
 
-@pytest.mark.parametrize("lengths", [[40, 17, 33], [25], [60, 60]])
+LONG = attention.MATH_MAX_KEYS + 20  # rows past the math path: SDPA
+
+
+@pytest.mark.parametrize("lengths", [[40, 17, 33], [25], [60, 60], [LONG, 90], [LONG]])
 def test_matches_eager_attention_values_and_gradients(lengths: list[int]) -> None:
     eager = tiny_llama()
     eager.set_attn_implementation("eager")
@@ -68,6 +71,48 @@ def test_matches_sdpa_under_bf16_autocast_and_beyond_the_math_limit() -> None:
             want, _ = logits_and_grads(sdpa, ids, mask)
             got, _ = logits_and_grads(ours, ids, mask)
         assert (got.float() - want.float()).abs().mean() < 2e-2
+
+
+def test_fewer_queries_than_keys_attend_causally_from_the_bottom_right() -> None:
+    """Queries that are the last of their keys (a continuation after a shared prefix), with
+    no mask given: each sees the keys up to its own position, as eager's explicit mask."""
+    model = tiny_llama()
+    module = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(2)
+    for keys in (40, LONG):
+        query = torch.randn(2, 4, 12, 16, generator=generator)
+        key, value = torch.randn(2, 2, keys, 16, generator=generator).unbind(0)
+        key, value = key[None].expand(2, -1, -1, -1), value[None].expand(2, -1, -1, -1)
+        got, _ = attention.trainer_attention(module, query, key, value, None, scaling=0.25)
+        allowed = torch.arange(keys)[None, :] <= torch.arange(keys - 12, keys)[:, None]
+        grouped_key = key.repeat_interleave(2, dim=1)
+        grouped_value = value.repeat_interleave(2, dim=1)
+        scores = (query @ grouped_key.transpose(-1, -2) * 0.25).masked_fill(~allowed, -torch.inf)
+        want = (scores.softmax(-1) @ grouped_value).transpose(1, 2)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_rows_keep_the_grouped_keys_and_values_themselves_for_backward() -> None:
+    """Past the math path a query head reads its KV head in place: backward keeps the keys
+    and values as given (2 KV heads), not copies repeated to the 4 query heads."""
+    module = tiny_llama().model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 4, LONG, 16, generator=generator, requires_grad=True)
+    key = torch.randn(2, 2, LONG, 16, generator=generator, requires_grad=True)
+    value = torch.randn(2, 2, LONG, 16, generator=generator, requires_grad=True)
+    _, mask = padded_batch([LONG, 90])
+    allowed = mask.bool()[:, None, None, :] & torch.ones(LONG, LONG).tril().bool()
+    kept: list[int] = []
+
+    def pack(saved: torch.Tensor) -> torch.Tensor:
+        kept.append(saved.data_ptr())
+        return saved
+
+    for given in (allowed, None):
+        kept.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved):
+            attention.trainer_attention(module, query, key, value, given)
+        assert key.data_ptr() in kept and value.data_ptr() in kept
 
 
 def test_math_path_reads_only_keys_a_query_may_see() -> None:

@@ -90,7 +90,7 @@ def test_a_memory_budget_outside_0_1_is_refused_before_loading() -> None:
 
 def test_layers_to_checkpoint_keep_a_stream_near_the_target_s_activations() -> None:
     assert layers_to_checkpoint(30, 2048, 2048) == 0
-    assert layers_to_checkpoint(30, 3152, 2048) == 17  # ceil(1.5 · 30 · 0.35) + 1
+    assert layers_to_checkpoint(30, 3152, 2048) == 15  # ceil(30 · (1 - 2048 / 3782.4)) + 1
     assert layers_to_checkpoint(30, 10**6, 2048) == 30
 
 
@@ -133,7 +133,7 @@ def test_a_planned_stream_past_the_target_checkpoints_some_layers_with_the_same_
     for index, layer in enumerate(tight._stream_checkpointing.layers):  # type: ignore[union-attr]
         layer.register_forward_pre_hook(lambda module, args, i=index: calls.append(i))
     tight_result = tight.forward_backward(samples, LossConfig())
-    count = layers_to_checkpoint(4, 280, 256)  # ceil(1.5 · 4 · 24/280) + 1 = 2 of the 4
+    count = layers_to_checkpoint(4, 280, 256)  # ceil(4 · (1 - 256 / 336)) + 1 = 2 of the 4
     rebuilt = list(range(count))[::-1]  # backward rebuilds the checkpointed layers, last first
     assert calls == [0, 1, 2, 3, *rebuilt] * 2
     assert tight_result.loss == pytest.approx(planned_result.loss, rel=1e-6)

@@ -5,6 +5,10 @@ plain matmuls while the key length is short; the costs cross near 256 keys (the 
 in docs/performance.md). The math path keeps a [rows, heads, queries, keys] score tensor
 for backward, which is another reason to leave long sequences to SDPA.
 
+Past that, SDPA reads grouped KV heads in place (``enable_gqa``), with a mask too:
+transformers repeats them to every query head whenever there is a mask, and backward keeps
+the copies.
+
 The trainer switches a model to this when it has the default SDPA attention (``use_for``;
 off the CPU it is SDPA as before), which also lets it take packed micro-batches
 (``packed_layout.py``); the name is not saved with checkpoints (transformers keeps it out
@@ -16,6 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -49,10 +55,12 @@ def trainer_attention(
         )  # fmt: skip
     unusual = any(kwargs.get(name) is not None for name in ("softcap", "s_aux", "sliding_window"))
     long = key.shape[2] > MATH_MAX_KEYS
-    if query.device.type != "cpu" or long or unusual or (dropout and module.training):
+    if query.device.type != "cpu" or unusual or (dropout and module.training):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    if long:
+        return _cpu_sdpa(module, query, key, value, attention_mask, scaling)
     rows, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -68,6 +76,31 @@ def trainer_attention(
         scores = scores.masked_fill(~allowed[:, :, None], blocked)
     weights = scores.softmax(-1).to(value.dtype).view(rows, kv_heads, group * queries, keys)
     out = torch.matmul(weights, value).view(rows, heads, queries, dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _cpu_sdpa(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None,
+) -> tuple[Tensor, None]:
+    """SDPA with grouped KV heads read in place (``enable_gqa``), mask or not: transformers
+    repeats them whenever there is a mask (CUDA's fused kernels need that; CPU's does not),
+    and backward kept the repeated copies (a shared-prefix stream's continuations gather
+    their whole path's keys and values, so those were over a third of what it kept)."""
+    queries, keys = query.shape[2], key.shape[2]
+    causal = getattr(module, "is_causal", True)
+    is_causal = attention_mask is None and causal and queries == keys > 1
+    mask = attention_mask
+    if mask is None and not is_causal:  # fewer queries than keys: causal from the bottom right
+        mask = _allowed(None, module, queries, keys, query.device)
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, is_causal=is_causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -146,21 +146,23 @@ def plan_memory(
     return plan
 
 
-STREAM_ACTIVATION_FACTOR = 1.5
+STREAM_ACTIVATION_FACTOR = 1.2
 """A shared-prefix stream's activations a token against a padded row's: each continuation
-gathers its whole path's keys and values for attention and keeps them for backward. Measured
-on the long prompt's group (docs/performance.md, run 9): checkpointing by the token ratio
-alone (12 of 30 layers) left its peak 1.15× the padded layout's."""
+gathers its whole path's keys and values for attention (and its mask) and keeps them for
+backward. Measured on the long prompt's group by the bytes autograd keeps: 29.9 KiB a token
+a layer in its 3,152-token stream, 24.8 in a padded 2,144-token row (docs/performance.md,
+run 10)."""
 
 
 def layers_to_checkpoint(num_layers: int, stream_tokens: int, target_tokens: int) -> int:
     """Decoder layers to checkpoint so that a shared-prefix stream of ``stream_tokens`` keeps
-    about the activations ``target_tokens`` of padded rows keep without checkpointing:
-    ``STREAM_ACTIVATION_FACTOR`` · L · (1 − target / stream), rounded up, and one more for
-    the layer rebuilt in backward; 0 within the target."""
+    about the activations ``target_tokens`` of padded rows keep without checkpointing: the
+    layers kept whole hold ``STREAM_ACTIVATION_FACTOR`` · stream / L a layer, so
+    L · (1 − target / (factor · stream)) of them are checkpointed, rounded up, and one more
+    for the layer rebuilt in backward; 0 within the target."""
     if stream_tokens <= target_tokens:
         return 0
-    share = STREAM_ACTIVATION_FACTOR * (1 - target_tokens / stream_tokens)
+    share = 1 - target_tokens / (STREAM_ACTIVATION_FACTOR * stream_tokens)
     return min(num_layers, math.ceil(num_layers * share) + 1)
 
 
