@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import transformers
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from post_training_cookbook.trainer import attention
 
@@ -90,6 +91,19 @@ def test_fewer_queries_than_keys_attend_causally_from_the_bottom_right() -> None
         scores = (query @ grouped_key.transpose(-1, -2) * 0.25).masked_fill(~allowed, -torch.inf)
         want = (scores.softmax(-1) @ grouped_value).transpose(1, 2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_rows_honour_is_causal_false_as_sdpa_does() -> None:
+    """A caller's ``is_causal=False`` (no mask) lets every query see every key, as in
+    transformers' SDPA attention."""
+    module = tiny_llama().model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 4, LONG, 16, generator=generator)
+    key = torch.randn(1, 2, LONG, 16, generator=generator)
+    value = torch.randn(1, 2, LONG, 16, generator=generator)
+    got, _ = attention.trainer_attention(module, query, key, value, None, is_causal=False)
+    want, _ = sdpa_attention_forward(module, query, key, value, None, is_causal=False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_long_rows_keep_the_grouped_keys_and_values_themselves_for_backward() -> None:

@@ -60,7 +60,8 @@ def trainer_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     if long:
-        return _cpu_sdpa(module, query, key, value, attention_mask, scaling)
+        causal = kwargs.get("is_causal")
+        return _cpu_sdpa(module, query, key, value, attention_mask, scaling, causal)
     rows, heads, queries, dim = query.shape
     kv_heads, keys = key.shape[1], key.shape[2]
     group = heads // kv_heads
@@ -86,19 +87,21 @@ def _cpu_sdpa(
     value: Tensor,
     attention_mask: Tensor | None,
     scaling: float | None,
+    is_causal: bool | None = None,
 ) -> tuple[Tensor, None]:
     """SDPA with grouped KV heads read in place (``enable_gqa``), mask or not: transformers
     repeats them whenever there is a mask (CUDA's fused kernels need that; CPU's does not),
     and backward kept the repeated copies (a shared-prefix stream's continuations gather
-    their whole path's keys and values, so those were over a third of what it kept)."""
+    their whole path's keys and values, so those were over a third of what it kept).
+    ``is_causal`` (None: the module's) as transformers' SDPA attention takes it."""
     queries, keys = query.shape[2], key.shape[2]
-    causal = getattr(module, "is_causal", True)
-    is_causal = attention_mask is None and causal and queries == keys > 1
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    plain_causal = attention_mask is None and causal and queries == keys > 1
     mask = attention_mask
-    if mask is None and not is_causal:  # fewer queries than keys: causal from the bottom right
+    if mask is None and causal and not plain_causal:  # fewer queries than keys: bottom right
         mask = _allowed(None, module, queries, keys, query.device)
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, is_causal=is_causal,
+        query, key, value, attn_mask=mask, scale=scaling, is_causal=plain_causal,
         enable_gqa=query.shape[1] != key.shape[1],
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
