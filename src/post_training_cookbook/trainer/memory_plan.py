@@ -19,8 +19,8 @@ stream may grow past the target to keep samples that share a prefix in one micro
 field the settings give is kept as given, and a given ``micro_batch_tokens`` is the bound
 too. A stream that grows past the target checkpoints as many of its decoder layers as keep
 its activations near the target's (``StreamCheckpointing``), where the plan chose no
-checkpointing: the long prompt's group then peaks under the padded layout (0.88×) at 0.30×
-its time (docs/performance.md, run 9).
+checkpointing: the long prompt's group then peaks under the padded layout (0.88-0.90×) at
+0.27-0.30× its time (docs/performance.md, runs 11-12).
 
 The log-probability chunk (``logprob_chunk_tokens="auto"``) is sized by the vocabulary: the
 trained positions whose fp32 logits fit ``LOGPROB_CHUNK_BYTES`` (forward and backward keep
