@@ -480,6 +480,24 @@ def test_a_prefill_of_long_and_short_prompts_runs_one_forward_per_length_group(
     assert mean_abs_logprob_error(model, prompts, results) <= 1e-4
 
 
+def test_long_prefixes_shared_by_prompts_of_one_prefill_are_computed_once(
+    model: torch.nn.Module,
+) -> None:
+    """Distinct prompts that open alike (one system prompt, then the tool docs of one of two
+    tool sets, then their own questions): each shared part is prefilled once and cached,
+    each prompt computes only its own tail, and every sample is still exact."""
+    decoder = Decoder(inference_copy(model, None, torch.device("cpu")), prefix_cache_size=8)
+    loop = asyncio.new_event_loop()
+    system = prompt_of(100, 7)
+    tools = [prompt_of(80, 20), prompt_of(80, 21)]
+    prompts = [system + tools[t % 2] + prompt_of(10, t) for t in range(4)] + [prompt_of(30, 9)]
+    results = decode_to_the_end(decoder, loop, prompts, max_tokens=5)
+    loop.close()
+    assert decoder.stats.prefill_tokens_computed == 100 + 2 * 80 + 4 * 10 + 30
+    assert decoder.stats.prefill_tokens_reused == 4 * 180 + 2 * 100  # each tool set: the system
+    assert mean_abs_logprob_error(model, prompts, results) <= 1e-4
+
+
 # ---- (6) weight updates ----------------------------------------------------------------------
 
 

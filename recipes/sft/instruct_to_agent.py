@@ -21,10 +21,7 @@ docs/instruct_to_agent.md has what each stage took and scored.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from post_training_cookbook.envs.tool_use_game import (
@@ -34,7 +31,9 @@ from post_training_cookbook.envs.tool_use_game import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from smollm2 import SMOLLM2_CODEC, smollm2_folder
+from stages import stages_main
 
 STAGES = (
     "demos", "eval_base", "bfcl_base", "sft", "eval_sft", "grpo", "eval_grpo", "bfcl_sft",
@@ -61,13 +60,6 @@ EVAL = {
 
 def env_factory(task):
     return ToolUseGameEnv()
-
-
-def run_stage(stage: str, out: Path) -> dict:
-    started = time.perf_counter()
-    result = STAGE_FUNCTIONS[stage](out)
-    result["wall_s"] = round(time.perf_counter() - started, 1)
-    return result
 
 
 def demos(out: Path) -> dict:
@@ -187,36 +179,8 @@ def bfcl_grpo(out: Path) -> dict:
     return _bfcl(str(out / "grpo" / "final_model"), out, "grpo")
 
 
-STAGE_FUNCTIONS = {
-    "demos": demos,
-    "eval_base": eval_base,
-    "bfcl_base": bfcl_base,
-    "sft": sft,
-    "eval_sft": eval_sft,
-    "bfcl_sft": bfcl_sft,
-    "grpo": grpo,
-    "eval_grpo": eval_grpo,
-    "bfcl_grpo": bfcl_grpo,
-}
-
-
-def main(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for stage in STAGES:
-        target = out / f"{stage}.json"
-        if target.exists():
-            print(f"{stage}: done before ({target})", flush=True)
-            continue
-        print(f"{stage}: starting at {time.strftime('%H:%M:%S')}", flush=True)
-        subprocess.run([sys.executable, __file__, "--stage", stage, str(out)], check=True)
-        print(f"{stage}: {target.read_text().strip()}", flush=True)
-    results = {stage: json.loads((out / f"{stage}.json").read_text()) for stage in STAGES}
-    (out / "summary.json").write_text(json.dumps(results, indent=1) + "\n")
+STAGE_FUNCTIONS = {stage: globals()[stage] for stage in STAGES}
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--stage":
-        stage, out = sys.argv[2], Path(sys.argv[3])
-        (out / f"{stage}.json").write_text(json.dumps(run_stage(stage, out), indent=1) + "\n")
-    else:
-        main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/instruct_to_agent"))
+    stages_main(__file__, STAGE_FUNCTIONS, default_out="runs/instruct_to_agent")

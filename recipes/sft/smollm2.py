@@ -46,13 +46,16 @@ def smollm2_folder() -> Path:
             digest.update(block)
     if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
         raise RuntimeError(f"{gguf} does not have the pinned sha256")
-    _convert(gguf, target)
+    convert_gguf(gguf, target)
     return target
 
 
-def _convert(gguf: Path, target: Path) -> None:
-    """transformers refuses to ``save_pretrained`` a model loaded from a GGUF, so its
-    dequantised weights are handed to a fresh model (built on the meta device) first."""
+def convert_gguf(gguf: Path, target: Path, tie_embeddings: bool = True) -> None:
+    """``gguf`` as a Hugging Face folder at ``target``. transformers refuses to
+    ``save_pretrained`` a model loaded from a GGUF, so its dequantised weights are handed to
+    a fresh model (built on the meta device) first. ``tie_embeddings``: tie the output
+    matrix to the embedding (SmolLM2 is tied; a GGUF that stores its own output matrix
+    keeps it with False)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,7 +69,8 @@ def _convert(gguf: Path, target: Path) -> None:
     with torch.device("meta"):
         fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict(), assign=True)
-    fresh.tie_weights()
+    if tie_embeddings:
+        fresh.tie_weights()
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     fresh.save_pretrained(partial)

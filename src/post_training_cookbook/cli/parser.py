@@ -130,7 +130,8 @@ def _add_eval(subparsers: Any) -> None:
         "      --base-url https://api.openai.com/v1 --api-key-env OPENAI_API_KEY\n"
         "  %(prog)s runs/x --benchmark bfcl --limit 20\n"
         "  %(prog)s hosted:my-model --base-url http://127.0.0.1:8000/v1 --no-api-key \\\n"
-        "      --benchmark bfcl:simple_python,irrelevance",
+        "      --benchmark bfcl:simple_python,irrelevance\n"
+        "  %(prog)s runs/x --benchmark bfcl_multi_turn:base@held_out",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -151,10 +152,11 @@ def _add_eval(subparsers: Any) -> None:
     parser.add_argument("--num-tasks", type=_positive, metavar="N", help="only the first N tasks")
     parser.add_argument(
         "--benchmark",
-        metavar="NAME[:CATEGORIES]",
+        metavar="NAME[:CATEGORIES][@SPLIT]",
         help="a published benchmark instead of an env: bfcl (its five single-turn test "
-        "categories) or bfcl:simple_python,multiple,... (docs/evaluation.md); greedy unless "
-        "--temperature",
+        "categories) or bfcl:simple_python,multiple,... (docs/evaluation.md); "
+        "bfcl_multi_turn[:base,miss_func,...][@train|@held_out]: BFCL's multi-turn entries, "
+        "entry and per-turn accuracy (docs/bfcl_multi_turn.md); greedy unless --temperature",
     )
     parser.add_argument(
         "--limit", type=_positive, metavar="N", help="with --benchmark: first N items per category"

@@ -2,7 +2,7 @@
 
 Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
 and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``. The module is one class
-over that invariant (a little over 400 lines), which is why it is not split.
+over that invariant (under 500 lines), which is why it is not split.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -27,6 +28,9 @@ from post_training_cookbook.engine.types import PolicySegment, SampledSequence, 
 
 StopReason = Literal["stop", "length"]
 _UNIFORM_CHUNK = 64
+SHARED_PREFIX_MIN_TOKENS = 64
+"""A prefix shared by several prompts of one prefill is computed once when it is at least
+this long (shorter, a forward of its own costs more than it saves)."""
 
 
 @dataclass
@@ -198,8 +202,66 @@ class Decoder:
         (multi-turn mixes first turns of hundreds of tokens with tool results of tens, so one
         forward over all would compute much padding; docs/performance.md)."""
         prompts = self._distinct_prompts(requests)
+        if self._cache_shared_prefixes(prompts):
+            for prompt in prompts:
+                self._lookup(prompt)
         for group in length_groups([len(prompt.suffix) for prompt in prompts]):
             self._prefill([prompts[index] for index in group])
+
+    def _cache_shared_prefixes(self, prompts: list[_Prompt]) -> bool:
+        """Prefill once, into the prefix cache, each long prefix that several distinct
+        prompts of this prefill share beyond what the cache already gave them (the system
+        prompt and tool docs of different tasks on the same tools): without it each prompt
+        computes it again. True when something was cached."""
+        if len(prompts) < 2 or self.prefix_cache.max_entries == 0:
+            return False
+        ordered = sorted(prompts, key=lambda prompt: prompt.tokens)
+        shared = [_common_length(a.tokens, b.tokens) for a, b in itertools.pairwise(ordered)]
+        return self._cache_run(ordered, shared, 0, len(ordered) - 1, 0)
+
+    def _cache_run(
+        self, ordered: list[_Prompt], shared: list[int], first: int, last: int, done: int
+    ) -> bool:
+        """The prompts ``ordered[first..last]`` (sorted, so neighbours share the most): cache
+        the prefix all of them share when it is at least ``SHARED_PREFIX_MIN_TOKENS`` past
+        what is cached for them (``done``), then the longer prefixes of their sub-runs."""
+        if first >= last:
+            return False
+        members = ordered[first : last + 1]
+        common = min(shared[first:last])
+        length = min([common] + [len(prompt.tokens) - 1 for prompt in members])
+        done = max([done] + [prompt.reused for prompt in members])
+        cached = length - done >= SHARED_PREFIX_MIN_TOKENS
+        if cached:
+            self._cache_prefix(members[0].tokens[:length])
+            done = length
+        start = first
+        for index in range(first, last):
+            if shared[index] == common:  # the run splits here into sub-runs sharing more
+                cached |= self._cache_run(ordered, shared, start, index, done)
+                start = index + 1
+        return self._cache_run(ordered, shared, start, last, done) or cached
+
+    def _cache_prefix(self, tokens: list[int]) -> None:
+        """One row's forward over ``tokens`` (past what the cache holds), kept in the cache."""
+        prompt = _Prompt(tokens)
+        self._lookup(prompt)
+        width = len(prompt.suffix)
+        self.batch.reserve(1, width + prompt.reused)
+        row = self.batch.add_rows(1)
+        end = self.batch.cols
+        self._place(row, prompt, end, width)
+        positions = list(range(prompt.reused, len(tokens)))
+        rows = slice(row, row + 1)
+        self._forward(
+            rows, end, _long([prompt.suffix], self.device), _long([positions], self.device)
+        )
+        self.stats.prefill_batches += 1
+        self.stats.prefill_tokens_computed += width
+        self.stats.prefill_tokens_reused += prompt.reused
+        keys, values = self.batch.row_kv(row)
+        self.prefix_cache.insert(PrefixEntry(np.asarray(tokens), keys, values, self.version))
+        self.batch.remove_rows([row])
 
     def _prefill(self, prompts: list[_Prompt]) -> None:
         width = max(len(p.suffix) for p in prompts)
@@ -417,6 +479,13 @@ def _accepts_logits_to_keep(model: Any) -> bool:
 def _row_seed(seed: int, index: int) -> int:
     """Seed of sample ``index`` of a request: mixed, so (s, 1) and (s + 1, 0) differ."""
     return (seed * 0x9E3779B97F4A7C15 + index) % (1 << 63)
+
+
+def _common_length(a: list[int], b: list[int]) -> int:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return min(len(a), len(b))
 
 
 def _long(rows: list[list[int]], device: torch.device) -> torch.Tensor:

@@ -1,10 +1,19 @@
 """Published benchmarks as ``evaluate(..., benchmark=...)``: their tasks, env and report.
 
-One for now, BFCL (``"bfcl"``, or ``"bfcl:simple_python,multiple"`` for some categories):
-its items become tasks of ``BFCLEnv``, the episodes are played as any env's are, and the
-report is BFCL's: per category, the share of items the checker accepts (``correct /
-total``, each episode counted), and the overall as BFCL's summary computes one, the
-unweighted mean of the categories' accuracies.
+- ``"bfcl"`` (or ``"bfcl:simple_python,multiple"`` for some categories): BFCL's single-turn
+  test categories; its items become tasks of ``BFCLEnv``.
+- ``"bfcl_multi_turn"`` (or ``"bfcl_multi_turn:base,miss_func"``, and ``@held_out`` or
+  ``@train`` for one side of the fixed split, e.g. ``"bfcl_multi_turn:base@held_out"``):
+  BFCL's multi-turn categories (default ``multi_turn_base``, every entry), played by
+  ``BFCLMultiTurnEnv``. Beside the entry accuracy it reports the per-turn accuracy: valid
+  turns / all turns of the category's entries (a turn never reached counts as failed).
+
+The episodes are played as any env's are, and the report is BFCL's: per category, the share
+of items the checker accepts (``correct / total``, each episode counted), and the overall as
+BFCL's summary computes one, the unweighted mean of the categories' accuracies. Standard
+errors: the entry accuracy's is binomial, sqrt(p(1 - p) / n); the per-turn accuracy's treats
+an entry's turns as one cluster (the ratio estimator's: sqrt(Σ (v_i − p t_i)²) / Σ t_i, v_i
+valid turns of t_i), since one entry's turns pass or fail together.
 
 A reply the codec cannot parse (or, from an endpoint, a tool call whose arguments are not
 JSON) is to BFCL a reply with no decodable call: right in ``irrelevance``, wrong elsewhere,
@@ -15,9 +24,10 @@ not fit in ``max_model_length`` counts as wrong.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.rollout import Episode, Group, TruncationCause
@@ -25,30 +35,50 @@ from post_training_cookbook.rollout import Episode, Group, TruncationCause
 if TYPE_CHECKING:
     from post_training_cookbook.envs.bfcl.data import BFCLItem
 
-BENCHMARKS = ("bfcl",)
+BENCHMARKS = ("bfcl", "bfcl_multi_turn")
+MULTI_TURN = "bfcl_multi_turn"
 
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """``"bfcl:simple_python,multiple"`` parsed: the benchmark and its categories."""
+    """``"bfcl:simple_python,multiple"`` parsed: the benchmark, its categories and, for
+    ``bfcl_multi_turn``, the side of the split (``"all"``, ``"train"``, ``"held_out"``)."""
 
     name: str
     categories: tuple[str, ...]
+    split: str = "all"
 
     @classmethod
     def parse(cls, spec: str) -> BenchmarkSpec:
-        name, _, listed = spec.partition(":")
+        head, _, split = spec.partition("@")
+        name, _, listed = head.partition(":")
         if name not in BENCHMARKS:
             raise ValueError(
                 f"unknown benchmark {name!r} (from {spec!r}): choose from {', '.join(BENCHMARKS)}"
             )
+        categories = [c.strip() for c in listed.split(",") if c.strip()] if listed else []
+        if name == MULTI_TURN:
+            from post_training_cookbook.envs.bfcl.multi_turn_data import (
+                check_multi_turn_categories,
+            )
+
+            if split and split not in ("all", "train", "held_out"):
+                raise ValueError(
+                    f"unknown split {split!r} (from {spec!r}): choose all, train or held_out"
+                )
+            full = [c if c.startswith("multi_turn_") else f"multi_turn_{c}" for c in categories]
+            return cls(
+                name, check_multi_turn_categories(full or ["multi_turn_base"]), split or "all"
+            )
+        if split:
+            raise ValueError(f"{spec!r}: only bfcl_multi_turn has a split (@train, @held_out)")
         from post_training_cookbook.envs.bfcl.data import TEST_CATEGORIES, check_categories
 
-        categories = [c.strip() for c in listed.split(",") if c.strip()] if listed else []
         return cls(name, check_categories(categories) if listed else TEST_CATEGORIES)
 
     def __str__(self) -> str:
-        return f"{self.name}:{','.join(self.categories)}"
+        listed = f"{self.name}:{','.join(self.categories)}"
+        return listed if self.split == "all" else f"{listed}@{self.split}"
 
 
 @dataclass(frozen=True)
@@ -77,12 +107,26 @@ class BenchmarkScore:
     """``correct / total`` per category."""
     overall: float
     """The unweighted mean of the categories' accuracies (BFCL's summary rule)."""
+    standard_error: dict[str, float] = field(default_factory=dict)
+    """The accuracy's binomial standard error per category."""
+    turns: dict[str, CategoryScore] = field(default_factory=dict)
+    """``bfcl_multi_turn``: valid turns / all turns per category."""
+    turn_accuracy: dict[str, float] = field(default_factory=dict)
+    turn_standard_error: dict[str, float] = field(default_factory=dict)
+    """The per-turn accuracy's standard error, an entry's turns as one cluster."""
 
 
 def benchmark_inputs(
     spec: BenchmarkSpec, limit: int | None
 ) -> tuple[list[Task], Callable[[Task], Env]]:
     """The tasks and the env factory that play ``spec``; ``limit``: first N per category."""
+    if spec.name == MULTI_TURN:
+        from post_training_cookbook.envs.bfcl.multi_turn_data import bfcl_multi_turn_tasks
+        from post_training_cookbook.envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+
+        split: Any = spec.split
+        tasks = bfcl_multi_turn_tasks(spec.categories, split, limit)
+        return tasks, lambda task: BFCLMultiTurnEnv()
     from post_training_cookbook.envs.bfcl import BFCLEnv, bfcl_tasks
 
     return bfcl_tasks(spec.categories, limit), lambda task: BFCLEnv()
@@ -92,8 +136,11 @@ def score_benchmark(
     spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None
 ) -> BenchmarkScore:
     """BFCL's per-category accuracy and overall of the played groups."""
-    from post_training_cookbook.envs.bfcl.data import BFCLItem
     from post_training_cookbook.envs.bfcl.package import bfcl
+
+    if spec.name == MULTI_TURN:
+        return _score_multi_turn(spec, groups, limit)
+    from post_training_cookbook.envs.bfcl.data import BFCLItem
 
     correct = dict.fromkeys(spec.categories, 0)
     total = dict.fromkeys(spec.categories, 0)
@@ -111,7 +158,66 @@ def score_benchmark(
         per_category=per_category,
         accuracy=accuracy,
         overall=sum(accuracy.values()) / len(accuracy),
+        standard_error={c: binomial_se(score) for c, score in per_category.items()},
     )
+
+
+def _score_multi_turn(
+    spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None
+) -> BenchmarkScore:
+    """Entry and per-turn accuracy per category (the module's docstring)."""
+    from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry
+    from post_training_cookbook.envs.bfcl.package import bfcl
+
+    entries: dict[str, list[tuple[bool, int, int]]] = {c: [] for c in spec.categories}
+    for group in groups:
+        entry = MultiTurnEntry.from_task(group.task)
+        for episode in group.episodes:
+            valid_turns = int(episode.metrics.get("bfcl_mt_turns_valid", 0.0))
+            accepted = episode.metrics.get("bfcl_mt_entry_valid") == 1.0
+            entries[entry.category].append((accepted, valid_turns, len(entry.turns)))
+    per_category = {
+        c: CategoryScore(sum(a for a, _, _ in rows), len(rows)) for c, rows in entries.items()
+    }
+    turns = {
+        c: CategoryScore(sum(v for _, v, _ in rows), sum(t for _, _, t in rows))
+        for c, rows in entries.items()
+    }
+    accuracy = {c: score.accuracy for c, score in per_category.items()}
+    return BenchmarkScore(
+        benchmark=str(spec),
+        version=bfcl().version,
+        limit=limit,
+        per_category=per_category,
+        accuracy=accuracy,
+        overall=sum(accuracy.values()) / len(accuracy),
+        standard_error={c: binomial_se(score) for c, score in per_category.items()},
+        turns=turns,
+        turn_accuracy={c: score.accuracy for c, score in turns.items()},
+        turn_standard_error={
+            c: clustered_se([(v, t) for _, v, t in rows]) for c, rows in entries.items()
+        },
+    )
+
+
+def binomial_se(score: CategoryScore) -> float:
+    """sqrt(p (1 - p) / n) of ``correct / total``; 0 with no items."""
+    if score.total == 0:
+        return 0.0
+    p = score.accuracy
+    return math.sqrt(p * (1 - p) / score.total)
+
+
+def clustered_se(clusters: Sequence[tuple[int, int]]) -> float:
+    """The standard error of Σ v_i / Σ t_i over clusters of ``(v_i, t_i)`` (passed, total):
+    sqrt(Σ (v_i − p t_i)²) / Σ t_i, with the small-sample factor n / (n − 1)."""
+    total = sum(t for _, t in clusters)
+    n = len(clusters)
+    if total == 0 or n < 2:
+        return 0.0
+    p = sum(v for v, _ in clusters) / total
+    spread = sum((v - p * t) ** 2 for v, t in clusters) * n / (n - 1)
+    return math.sqrt(spread) / total
 
 
 def _accepted(item: BFCLItem, episode: Episode) -> bool:

@@ -280,6 +280,8 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
     categories = {c: None for r in results if r.benchmark for c in r.benchmark.accuracy}
     for category in categories:
         rows.append(row(f"bfcl {category}", lambda r, c=category: _accuracy(r, c)))
+        if any(r.benchmark and category in r.benchmark.turn_accuracy for r in results):
+            rows.append(row(f"bfcl {category} turns", lambda r, c=category: _turns(r, c)))
     if categories:
         rows.append(row("bfcl overall", lambda r: r.benchmark.overall if r.benchmark else None))
     rows += [row(f"ended: {cause}", lambda r, c=cause: r.termination.get(c)) for cause in CAUSES]
@@ -303,6 +305,11 @@ def _level_reward(result: EvalResult, level: str) -> float | None:
 
 def _accuracy(result: EvalResult, category: str) -> float | None:
     return result.benchmark.accuracy.get(category) if result.benchmark else None
+
+
+def _turns(result: EvalResult, category: str) -> float | None:
+    """A multi-turn category's per-turn accuracy."""
+    return result.benchmark.turn_accuracy.get(category) if result.benchmark else None
 
 
 def _delta(values: list[float | None]) -> float | None:

@@ -18,7 +18,7 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 BFCL_EVAL_VERSION = "2026.3.23"
 """The version the docs' numbers and the tests were made with (requirements/bfcl.txt)."""
@@ -95,4 +95,47 @@ def bfcl() -> BFCLModules:
         data_dir=Path(PROMPT_PATH),
         version_prefix=VERSION_PREFIX,
         version=metadata.version("bfcl-eval"),
+    )
+
+
+class BFCLMultiTurnModules(NamedTuple):
+    """The parts of ``bfcl-eval`` the multi-turn categories use."""
+
+    load_dataset_entry: Any  # bfcl_eval.utils: an entry with its docs, as BFCL's runner reads it
+    load_ground_truth_entry: Any
+    utils: ModuleType  # ...multi_turn_eval.multi_turn_utils: executes calls on the backends
+    checker: ModuleType  # ...multi_turn_eval.multi_turn_checker: entry, state, response checks
+    backend_modules: dict[str, str]  # class name → module (CLASS_FILE_PATH_MAPPING)
+    stateless_classes: tuple[str, ...]
+    added_functions_prompt: str  # DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
+    maximum_step_limit: int  # MAXIMUM_STEP_LIMIT: BFCL's bound on steps in one turn
+
+
+@functools.cache
+def bfcl_multi_turn() -> BFCLMultiTurnModules:
+    """``bfcl-eval``'s multi-turn checker, backends and data readers."""
+    bfcl()  # the project root, and BFCLNotInstalledError when it is missing
+    try:
+        import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker as checker
+        import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils as utils
+        from bfcl_eval.constants.default_prompts import (
+            DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
+            MAXIMUM_STEP_LIMIT,
+        )
+        from bfcl_eval.constants.executable_backend_config import (
+            CLASS_FILE_PATH_MAPPING,
+            STATELESS_CLASSES,
+        )
+        from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry
+    except ImportError as exc:
+        raise BFCLNotInstalledError(f"{INSTALL_HINT}; importing it failed: {exc}") from exc
+    return BFCLMultiTurnModules(
+        load_dataset_entry=load_dataset_entry,
+        load_ground_truth_entry=load_ground_truth_entry,
+        utils=utils,
+        checker=checker,
+        backend_modules=dict(CLASS_FILE_PATH_MAPPING),
+        stateless_classes=tuple(STATELESS_CLASSES),
+        added_functions_prompt=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
+        maximum_step_limit=MAXIMUM_STEP_LIMIT,
     )

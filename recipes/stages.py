@@ -1,0 +1,63 @@
+"""A recipe as stages, each in a fresh process, each resumable: what the long recipes share.
+
+A stage is a function ``stage(out) -> dict``; its dict (and its wall time) is written to
+``OUT/<stage>.json``. A stage whose file exists is skipped, so an interrupted recipe
+continues where it stopped (a training stage resumes from its own checkpoints). Each stage
+runs in a fresh process: the machine's memory is shared between the model being trained
+and the one being scored. ``OUT/summary.json`` collects every stage's dict.
+
+    if __name__ == "__main__":
+        stages_main(__file__, STAGE_FUNCTIONS, default_out="runs/my_recipe")
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+Stage = Callable[[Path], dict]
+
+
+def run_stage(functions: Mapping[str, Stage], stage: str, out: Path) -> None:
+    started = time.perf_counter()
+    result = functions[stage](out)
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    (out / f"{stage}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run_all(
+    script: str, functions: Mapping[str, Stage], out: Path, extra: list[str] | None = None
+) -> dict[str, dict]:
+    """Every stage not done yet, in order, each in a fresh process (``extra``: arguments
+    the script's stages read themselves); the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in functions:
+        target = out / f"{stage}.json"
+        if target.exists():
+            print(f"{stage}: done before ({target})", flush=True)
+            continue
+        print(f"{stage}: starting at {time.strftime('%H:%M:%S')}", flush=True)
+        command = [sys.executable, script, "--stage", stage, str(out), *(extra or [])]
+        subprocess.run(command, check=True)
+        print(f"{stage}: {target.read_text().strip()}", flush=True)
+    summary = out / "summary.json"
+    results = json.loads(summary.read_text()) if summary.exists() else {}
+    results |= {stage: json.loads((out / f"{stage}.json").read_text()) for stage in functions}
+    summary.write_text(json.dumps(results, indent=1) + "\n")
+    return results
+
+
+def stages_main(script: str, functions: Mapping[str, Stage], default_out: str) -> None:
+    """``script [OUT] [--flag value ...]`` runs every stage; ``script --stage NAME OUT`` one.
+    Flags after OUT are the script's own; they are handed to every stage's process."""
+    args = sys.argv[1:]
+    if len(args) >= 3 and args[0] == "--stage":
+        run_stage(functions, args[1], Path(args[2]))
+        return
+    out = Path(args[0]) if args and not args[0].startswith("--") else Path(default_out)
+    extra = args[1:] if args and not args[0].startswith("--") else args
+    run_all(script, functions, out, extra)

@@ -1,0 +1,163 @@
+"""``BFCLMultiTurnEnv``: one BFCL multi-turn entry, played as BFCL's own runner plays it.
+
+One episode is one entry. The env opens with the first user turn and the entry's function
+docs as tools; every assistant reply with calls runs them on ``bfcl-eval``'s backends (a
+fresh set per episode, loaded with the entry's ``initial_config``) and answers each with a
+tool message holding its result; a reply with no decodable call ends the user's turn (as in
+BFCL's inference loop), the turn is checked (``backends.check_turn``), and the next user
+turn follows. After the last turn, BFCL's ``multi_turn_checker`` gives the entry's verdict.
+
+- ``miss_func``: the docs BFCL holds back are added at the turn that adds them, in the user
+  message BFCL's prompting handlers write (the docs, then "I have updated some more
+  functions you can choose from. What about now?"), as tool specs in JSON. The tools of the
+  prompt stay those of the first turn: the token prompt is only ever extended.
+- ``max_steps_per_turn``: replies with calls one user turn may take (BFCL forces the entry
+  to end past its ``MAXIMUM_STEP_LIMIT``, 20); the reply past it ends the episode
+  (``truncated``) and the entry fails.
+- ``reward="entry"`` (default): the last step's reward is 1.0 when BFCL's checker accepts
+  the entry, else 0.0; earlier steps give 0. ``reward="turns"``: the reply that ends user
+  turn k gets ``1/T`` when turn k passes its checks (T: the entry's turns), so the rewards
+  of an episode sum to its per-turn accuracy; train it with ``turn_rewards="per_step"``
+  (under the default ``"final"`` only the last turn's share would count).
+
+Every step's metrics (read from the step that ends the episode): ``bfcl_mt_turns`` (T),
+``bfcl_mt_turns_valid``, ``bfcl_mt_turn_accuracy`` (valid / T: a turn never reached
+counts as failed), ``bfcl_mt_entry_valid``, ``bfcl_mt_calls``, ``bfcl_mt_refused_calls``
+(calls naming no method of the backends, which run nothing) and ``bfcl_mt_forced_quit``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.bfcl.backends import (
+    Backends,
+    DecodedCall,
+    TurnVerdict,
+    check_entry,
+    check_turn,
+    checked_source,
+    decode_calls,
+)
+from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry, to_tool_specs
+from post_training_cookbook.types import Message, ToolSpec
+
+MultiTurnReward = Literal["entry", "turns"]
+FORCED = "multi_turn:force_terminated"
+
+
+class BFCLMultiTurnEnv(Env):
+    """A BFCL multi-turn entry as an env; build one per episode (``BFCLMultiTurnEnv()``)."""
+
+    def __init__(self, reward: MultiTurnReward = "entry", max_steps_per_turn: int = 20) -> None:
+        if reward not in ("entry", "turns"):
+            raise ValueError(f"reward must be 'entry' or 'turns', got {reward!r}")
+        if isinstance(max_steps_per_turn, bool) or not isinstance(max_steps_per_turn, int):
+            raise TypeError(f"max_steps_per_turn must be an int, got {max_steps_per_turn!r}")
+        if max_steps_per_turn < 1:
+            raise ValueError(f"max_steps_per_turn must be >= 1, got {max_steps_per_turn}")
+        self.reward = reward
+        self.max_steps_per_turn = max_steps_per_turn
+        self.entry: MultiTurnEntry | None = None
+        self.turn_verdicts: list[TurnVerdict] = []
+        """Each finished user turn's checks, in order."""
+        self.entry_verdict: TurnVerdict | None = None
+        """BFCL's verdict on the entry, once the episode has ended."""
+        self._model: Backends | None = None
+        self._truth: Backends | None = None
+        self._tools: list[ToolSpec] = []
+        self._messages: list[Message] = []
+        self._recorded: list[list[list[str]]] = []  # per turn, the calls of each reply
+        self._steps = 0  # replies with calls in this turn
+        self._calls = self._refused = 0
+
+    async def reset(self, task: Task) -> list[Message]:
+        await self.close()
+        entry = self.entry = MultiTurnEntry.from_task(task)
+        self._model, self._truth = Backends(entry, "model"), Backends(entry, "truth")
+        self._tools = to_tool_specs(entry.functions)
+        self.turn_verdicts, self.entry_verdict = [], None
+        self._recorded, self._steps, self._calls, self._refused = [[]], 0, 0, 0
+        self._messages = entry.opening(0)
+        return list(self._messages)
+
+    async def step(self, message: Message) -> StepResult:
+        entry, model = self.entry, self._model
+        if entry is None or model is None:
+            raise RuntimeError("BFCLMultiTurnEnv.step before reset")
+        if self.entry_verdict is not None:
+            raise RuntimeError("BFCLMultiTurnEnv.step after the episode ended")
+        self._messages.append(message)
+        calls = decode_calls(message)
+        if calls:
+            self._run(message, calls, model)
+            if self._steps < self.max_steps_per_turn:
+                return StepResult(False, False, list(self._messages), metrics=self._metrics())
+            self.turn_verdicts.append(TurnVerdict(False, FORCED))
+            self.entry_verdict = TurnVerdict(False, FORCED)
+            return StepResult(False, True, list(self._messages), metrics=self._metrics())
+        verdict = self._finish_turn(entry)
+        reward = verdict.valid / len(entry.turns) if self.reward == "turns" else 0.0
+        turn = len(self.turn_verdicts)
+        if turn < len(entry.turns):
+            self._recorded.append([])
+            self._messages += entry.opening(turn)
+            return StepResult(False, False, list(self._messages), reward, self._metrics())
+        self.entry_verdict = check_entry(entry, self._recorded)
+        if self.reward == "entry":
+            reward = float(self.entry_verdict.valid)
+        return StepResult(True, False, list(self._messages), reward, self._metrics())
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return list(self._tools)
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+    async def close(self) -> None:
+        for backends in (self._model, self._truth):
+            if backends is not None:
+                backends.close()
+        self._model = self._truth = None
+
+    def _run(self, message: Message, calls: list[DecodedCall], model: Backends) -> None:
+        """Run a reply's calls and answer each with a tool message."""
+        self._steps += 1
+        self._calls += len(calls)
+        self._refused += sum(model.refusal(call) is not None for call in calls)
+        self._recorded[-1].append([checked_source(model, call) for call in calls])
+        results = model.run(calls)
+        for tool_call, call, result in zip(message["tool_calls"], calls, results, strict=True):
+            answer = Message(role="tool", content=result, name=call.name)
+            if isinstance(tool_call.get("id"), str):
+                answer["tool_call_id"] = tool_call["id"]
+            self._messages.append(answer)
+
+    def _finish_turn(self, entry: MultiTurnEntry) -> TurnVerdict:
+        assert self._model is not None and self._truth is not None
+        turn = len(self.turn_verdicts)
+        verdict = check_turn(
+            self._model, self._truth, turn, entry.ground_truth[turn], bool(self._recorded[-1])
+        )
+        self.turn_verdicts.append(verdict)
+        self._steps = 0
+        return verdict
+
+    def _metrics(self) -> dict[str, float]:
+        assert self.entry is not None
+        turns = len(self.entry.turns)
+        valid = sum(verdict.valid for verdict in self.turn_verdicts)
+        entry_valid = self.entry_verdict is not None and self.entry_verdict.valid
+        forced = bool(self.turn_verdicts) and self.turn_verdicts[-1].error_type == FORCED
+        return {
+            "bfcl_mt_turns": float(turns),
+            "bfcl_mt_turns_valid": float(valid),
+            "bfcl_mt_turn_accuracy": valid / turns,
+            "bfcl_mt_entry_valid": float(entry_valid),
+            "bfcl_mt_calls": float(self._calls),
+            "bfcl_mt_refused_calls": float(self._refused),
+            "bfcl_mt_forced_quit": float(forced),
+        }
