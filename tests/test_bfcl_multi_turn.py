@@ -410,3 +410,22 @@ def test_the_recipe_scores_every_model_it_makes_on_held_out_entries_only():
     grpo = inspect.getsource(recipe.grpo)
     assert 'entries("train")' in grpo and 'turn_rewards="per_step"' in grpo
     assert "max_sampling_attempts=" in grpo
+
+
+def test_demonstrations_of_the_ground_truth_carry_each_entrys_tools(tmp_path):
+    """The env's tools depend on the entry, so they are read after a reset: an SFT
+    conversation without them would teach calls to tools its prompt never shows."""
+    from post_training_cookbook.sft.data import read_conversations
+    from post_training_cookbook.sft.demonstrations import collect_demonstrations
+
+    entries = load_multi_turn_entries(["multi_turn_base"], "train")[:2]
+    result = collect_demonstrations(
+        GroundTruthPlayer(entries), lambda task: BFCLMultiTurnEnv(),
+        [entry.to_task() for entry in entries], output=tmp_path / "demos.jsonl",
+        max_turns=40, max_model_length=8192,
+    )  # fmt: skip
+    assert len(result.conversations) == 2
+    written = read_conversations(tmp_path / "demos.jsonl")
+    for entry, conversation in zip(entries, written, strict=True):
+        assert conversation.tools == entry.tool_specs
+    assert not leftover_instances()

@@ -136,8 +136,6 @@ def score_benchmark(
     spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None
 ) -> BenchmarkScore:
     """BFCL's per-category accuracy and overall of the played groups."""
-    from post_training_cookbook.envs.bfcl.package import bfcl
-
     if spec.name == MULTI_TURN:
         return _score_multi_turn(spec, groups, limit)
     from post_training_cookbook.envs.bfcl.data import BFCLItem
@@ -150,6 +148,15 @@ def score_benchmark(
             total[item.category] += 1
             correct[item.category] += _accepted(item, episode)
     per_category = {c: CategoryScore(correct[c], total[c]) for c in spec.categories}
+    return _score(spec, per_category, limit)
+
+
+def _score(
+    spec: BenchmarkSpec, per_category: dict[str, CategoryScore], limit: int | None, **turns: Any
+) -> BenchmarkScore:
+    """The report of ``per_category``'s scores (``turns``: the multi-turn fields)."""
+    from post_training_cookbook.envs.bfcl.package import bfcl
+
     accuracy = {c: score.accuracy for c, score in per_category.items()}
     return BenchmarkScore(
         benchmark=str(spec),
@@ -159,6 +166,7 @@ def score_benchmark(
         accuracy=accuracy,
         overall=sum(accuracy.values()) / len(accuracy),
         standard_error={c: binomial_se(score) for c, score in per_category.items()},
+        **turns,
     )
 
 
@@ -167,7 +175,6 @@ def _score_multi_turn(
 ) -> BenchmarkScore:
     """Entry and per-turn accuracy per category (the module's docstring)."""
     from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry
-    from post_training_cookbook.envs.bfcl.package import bfcl
 
     entries: dict[str, list[tuple[bool, int, int]]] = {c: [] for c in spec.categories}
     for group in groups:
@@ -183,15 +190,10 @@ def _score_multi_turn(
         c: CategoryScore(sum(v for _, v, _ in rows), sum(t for _, _, t in rows))
         for c, rows in entries.items()
     }
-    accuracy = {c: score.accuracy for c, score in per_category.items()}
-    return BenchmarkScore(
-        benchmark=str(spec),
-        version=bfcl().version,
-        limit=limit,
-        per_category=per_category,
-        accuracy=accuracy,
-        overall=sum(accuracy.values()) / len(accuracy),
-        standard_error={c: binomial_se(score) for c, score in per_category.items()},
+    return _score(
+        spec,
+        per_category,
+        limit,
         turns=turns,
         turn_accuracy={c: score.accuracy for c, score in turns.items()},
         turn_standard_error={

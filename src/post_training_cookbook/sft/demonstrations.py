@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from post_training_cookbook.engine.types import SamplingParams
-from post_training_cookbook.envs.base import EnvFactory, Task
+from post_training_cookbook.envs.base import Env, EnvFactory, Task
 from post_training_cookbook.evaluation.hosted import HostedModel
 from post_training_cookbook.evaluation.results import EvalSettings
 from post_training_cookbook.files import write_text_atomic
@@ -163,6 +163,18 @@ async def _play(
 
 
 def _tool_specs(env_factory: EnvFactory, task: Task) -> list[ToolSpec] | None:
-    """The tools the task's env offers (read from a fresh env, which is not reset)."""
-    specs = list(env_property(env_factory(task), "tool_specs") or [])
+    """The tools the task's env offers: read from a fresh env, reset on the task when it
+    has none before (an env whose tools depend on the task, as BFCL's entries do)."""
+    env = env_factory(task)
+    specs = list(env_property(env, "tool_specs") or [])
+    if not specs and isinstance(env, Env):
+        specs = run_sync(_tools_after_reset(env, task))
     return specs or None
+
+
+async def _tools_after_reset(env: Env, task: Task) -> list[ToolSpec]:
+    try:
+        await env.reset(task)
+        return list(env_property(env, "tool_specs") or [])
+    finally:
+        await env.close()
