@@ -265,9 +265,49 @@ def report(out: Path) -> dict:
     return result
 
 
+def plots(out: Path) -> dict:
+    """``OUT/<grpo run>.png``: per GRPO step, the entry accuracy and the per-turn accuracy
+    (the training reward) of the step's episodes and the share of groups with reward
+    variance; and the held-out per-turn accuracy of each scored model."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from post_training_cookbook.plots import read_metrics
+
+    records = read_metrics(out / GRPO_RUN)
+    steps = [record["step"] for record in records]
+    series = {
+        "entry accuracy of the step's episodes": "rollout/env/bfcl_mt_entry_valid",
+        # the training reward: an episode's per-turn shares sum to its per-turn accuracy
+        "reward: per-turn accuracy of the step's episodes": "rollout/env/bfcl_mt_turn_accuracy",
+        "groups with reward variance": "rollout/zero_variance_skip_ratio",
+    }
+    figure, axes = plt.subplots(1, 4, figsize=(16, 3.5))
+    for axis, (title, key) in zip(axes, series.items(), strict=False):
+        values = [record.get(key, float("nan")) for record in records]
+        if key.endswith("skip_ratio"):
+            values = [1 - value for value in values]
+        axis.plot(steps, values, marker="o")
+        axis.set(title=title, xlabel="GRPO step", ylim=(0, 1))
+    stages = [
+        s for s in ("eval_base", "eval_sft", f"eval_{GRPO_RUN}") if (out / f"{s}.json").exists()
+    ]
+    accuracy = [json.loads((out / f"{s}.json").read_text())["turn_accuracy"] for s in stages]
+    axes[3].bar([s.removeprefix("eval_") for s in stages], accuracy)
+    axes[3].set(title="held-out per-turn accuracy", ylim=(0, 1))
+    figure.tight_layout()
+    target = out / f"{GRPO_RUN}.png"
+    figure.savefig(target, dpi=100)
+    return {"plot": str(target)}
+
+
 STAGES = (
     "demos", "zero_shot", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo",
-    "bfcl_base", "bfcl_sft", "bfcl_grpo", "report",
+    "bfcl_base", "bfcl_sft", "bfcl_grpo", "report", "plots",
 )  # fmt: skip
 """BFCL single-turn last: no stage needs it, and the multi-turn numbers matter first."""
 STAGE_FUNCTIONS = {stage.replace("grpo", GRPO_RUN): globals()[stage] for stage in STAGES}
