@@ -128,7 +128,7 @@ class Backends:
         entry = self._entry
         results, instances = bfcl_multi_turn().utils.execute_multi_turn_func_call(
             sources,
-            copy.deepcopy(entry.initial_config),  # BFCL copies per class; ours is shared
+            entry.initial_config,  # only read: BFCL deep-copies each class's part itself
             list(entry.involved_classes),
             self._model_name,
             entry.id,
