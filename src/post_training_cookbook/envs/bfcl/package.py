@@ -106,9 +106,7 @@ class BFCLMultiTurnModules(NamedTuple):
     utils: ModuleType  # ...multi_turn_eval.multi_turn_utils: executes calls on the backends
     checker: ModuleType  # ...multi_turn_eval.multi_turn_checker: entry, state, response checks
     backend_modules: dict[str, str]  # class name → module (CLASS_FILE_PATH_MAPPING)
-    stateless_classes: tuple[str, ...]
     added_functions_prompt: str  # DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC
-    maximum_step_limit: int  # MAXIMUM_STEP_LIMIT: BFCL's bound on steps in one turn
 
 
 @functools.cache
@@ -120,11 +118,9 @@ def bfcl_multi_turn() -> BFCLMultiTurnModules:
         import bfcl_eval.eval_checker.multi_turn_eval.multi_turn_utils as utils
         from bfcl_eval.constants.default_prompts import (
             DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
-            MAXIMUM_STEP_LIMIT,
         )
         from bfcl_eval.constants.executable_backend_config import (
             CLASS_FILE_PATH_MAPPING,
-            STATELESS_CLASSES,
         )
         from bfcl_eval.utils import load_dataset_entry, load_ground_truth_entry
     except ImportError as exc:
@@ -135,7 +131,5 @@ def bfcl_multi_turn() -> BFCLMultiTurnModules:
         utils=utils,
         checker=checker,
         backend_modules=dict(CLASS_FILE_PATH_MAPPING),
-        stateless_classes=tuple(STATELESS_CLASSES),
         added_functions_prompt=DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_FC,
-        maximum_step_limit=MAXIMUM_STEP_LIMIT,
     )
