@@ -351,3 +351,4 @@ def test_kills_at_random_moments_lose_and_repeat_no_step(tiny_llama_dir, tmp_pat
     assert outcome(run_dir, num_steps) == outcome(reference, num_steps)
     assert_same_final_model(run_dir, reference)
     assert checkpoint_names(run_dir) == [f"step_{step:06d}" for step in range(1, num_steps + 1)]
+    print(json.dumps({"kills": kills, "inside_checkpoints": inside_checkpoints}))
