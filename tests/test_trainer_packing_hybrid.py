@@ -6,6 +6,7 @@ Tiny random models built here: 3 linear-attention layers and 1 full-attention la
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 
@@ -155,3 +156,15 @@ def test_recurrent_models_without_a_packed_forward_keep_padded_rows_and_say_why(
     (message,) = [r.getMessage() for r in caplog.records if "packing is off" in r.getMessage()]
     assert "Qwen3NextForCausalLM" in message and "recurrent layers" in message
     assert linear_attention.use_for(tiny_hybrid("qwen3_5")) == 3  # the hybrid's are known
+
+
+def test_a_deep_copy_of_the_model_runs_its_own_layers() -> None:
+    """The reference model is a deep copy: its packed forwards must read the copy's
+    weights, not the policy's (a bound method copied with its module)."""
+    model = tiny_hybrid("qwen3_5")
+    linear_attention.use_for(model)
+    copied = copy.deepcopy(model)
+    pairs = [(a, b) for a, b in zip(model.modules(), copied.modules(), strict=True)
+             if linear_attention.has_packed_forward(a)]  # fmt: skip
+    assert len(pairs) == 3
+    assert all(b.forward.__self__ is b and a.forward.__self__ is a for a, b in pairs)
