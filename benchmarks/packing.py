@@ -15,6 +15,13 @@ between them, each episode's turns its own):
   49,152), LoRA, 4 tasks × 4 episodes, a 390-token prompt, 3 turns of 64 tokens (with
   16-token tool results): issue 27's side-by-side shape.
 - ``long``: the same model, a 2,000-token tool prompt, 8 episodes a group, 2 turns.
+- ``hybrid``: a Gated DeltaNet hybrid (transformers' ``Qwen3_5ForCausalLM``: Qwen3.5's
+  layout of 3 linear-attention layers to 1 full-attention layer, its head shapes at
+  reduced width: hidden 512, 4 query / 1 KV heads of 128, 4 key / 8 value linear heads of
+  128; a 32,768-token vocabulary, so that the LM head, the same in every layout, does not
+  dwarf a 4-layer decoder), LoRA, one group of 8 completions of 128 tokens sharing a
+  1,000-token prompt: issue 38's shape (``trainer/linear_attention.py``). ``--layers``
+  sets its depth too (a multiple of 4 keeps the 3:1 pattern).
 
 Each (shape, mode) runs in a fresh subprocess, so that its peak resident set is its own:
 one warm-up step (AdamW's moments exist), then ``--steps`` measured ones
@@ -64,6 +71,15 @@ SMOLLM2_135M = {
 }  # fmt: skip
 
 
+HYBRID_SMALL = {
+    "vocab_size": 32768, "hidden_size": 512, "intermediate_size": 1536,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 128,
+    "linear_num_key_heads": 4, "linear_num_value_heads": 8, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "hidden_act": "silu",
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Shape:
     groups: int
@@ -79,6 +95,7 @@ SHAPES = {
     "recipe": Shape(16, 8, 78, 3, 24, 12, use_lora=False),
     "smollm2": Shape(4, 4, 390, 3, 64, 16, use_lora=True),
     "long": Shape(1, 8, 2000, 2, 64, 16, use_lora=True),
+    "hybrid": Shape(1, 8, 1000, 1, 128, 0, use_lora=True),
 }
 MODES = ("off", "packed", "shared_prefix")
 
@@ -123,6 +140,9 @@ def build_model(name: str, layers: int | None) -> transformers.PreTrainedModel:
     if name == "recipe":
         source = resolve_model(BUNDLED_MODEL_ID).source
         return transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    if name == "hybrid":
+        text = transformers.Qwen3_5TextConfig(**HYBRID_SMALL, num_hidden_layers=layers or 4)
+        return transformers.Qwen3_5ForCausalLM(text)
     config = dict(SMOLLM2_135M)
     if layers is not None:
         config["num_hidden_layers"] = layers
@@ -172,7 +192,9 @@ def measure(args: argparse.Namespace) -> Row:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-    parser.add_argument("--layers", type=int, default=4, help="SmolLM2 shape's depth (30)")
+    parser.add_argument(
+        "--layers", type=int, default=4, help="depth of the SmolLM2 (30) and hybrid shapes"
+    )
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--micro-batch-tokens", type=int, help="default: the memory plan's")
     parser.add_argument("--device", default=None)
@@ -193,8 +215,8 @@ def main() -> None:
     if args.device:
         common += ["--device", args.device]
     print(
-        f"torch threads {torch.get_num_threads()}, SmolLM2 shape at {args.layers} layers, "
-        f"load {os.getloadavg()[0]:.1f}"
+        f"torch threads {torch.get_num_threads()}, SmolLM2 and hybrid shapes at "
+        f"{args.layers} layers, load {os.getloadavg()[0]:.1f}"
     )
     print(f"{'shape':8} {'mode':14} {'processed':>9} {'trained':>7} {'s/step':>7} "
           f"{'trained/s':>9} {'peak MiB':>8} {'loss':>9}  time×  memory×")  # fmt: skip

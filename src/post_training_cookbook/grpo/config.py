@@ -259,10 +259,12 @@ class GRPOConfig:
     """How micro-batches are laid out: ``"shared_prefix"``, one token stream without
     padding where each prefix the episodes share (a group's prompt, turns they agree on) is
     forwarded once; ``"packed"``, the stream with every episode whole; ``"off"``, padded rows
-    of similar length. All three give the same update; models where a stream is not exact
-    (sliding-window or soft-capped attention, eager or flash attention) keep padded rows,
-    said once in the log. A sharded trainer balances packed micro-batches across its
-    ranks by the tokens each processes, a group's episodes on one rank where they fit."""
+    of similar length. All three give the same update, Gated DeltaNet hybrids (Qwen3.5,
+    Qwen3.6, Qwen3.8, dense or MoE) included; models where a stream is not exact
+    (sliding-window or soft-capped attention, eager or flash attention, other recurrent
+    layers: Qwen3-Next, Mamba and kin) keep padded rows, said once in the log. A sharded
+    trainer balances packed micro-batches across its ranks by the tokens each processes, a
+    group's episodes on one rank where they fit."""
     trainer_precision: Precision = "fp32"
     """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
     (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16

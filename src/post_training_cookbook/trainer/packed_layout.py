@@ -11,16 +11,24 @@ each path's own causal attention; nothing of size stream × stream exists. The d
 gets ``packed_layout=`` as a keyword, which transformers passes down to the attention
 function (``attention.trainer_attention``), and a placeholder 4-D mask, which stops
 transformers from building a stream × stream mask of its own.
+
+Recurrent (linear-attention) layers read the same tree another way (``RecurrentLayout``,
+built on first use, ``linear_attention.py`` runs it): the stream cut into *pieces* at every
+sample's start and after every token a later sample branches from, each piece continuing
+from the state its parent piece ended with (or from zero at a path's start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from post_training_cookbook.batching import length_groups
 
 DenseAttention = Callable[..., tuple[Tensor, Any]]
 """HF attention signature (``attention.trainer_attention`` without a layout)."""
@@ -108,6 +116,13 @@ class PackedLayout:
     buckets: tuple[AttentionBucket, ...]
     stream_order: Tensor
     """[stream]: where each stream token's output is in the buckets' outputs, concatenated."""
+    segments: tuple[Segment, ...] = ()
+    """The samples' segments in stream order (what ``recurrent`` is built from)."""
+
+    @cached_property
+    def recurrent(self) -> RecurrentLayout:
+        """The layout recurrent layers read (built once, when the first one asks)."""
+        return RecurrentLayout.of(self.segments, self.num_tokens, self.input_ids.device)
 
     @property
     def num_tokens(self) -> int:
@@ -158,3 +173,138 @@ class PackedLayout:
             )  # [rows, queries, heads, dim]
             outputs.append(out.flatten(0, 1)[bucket.valid])
         return torch.cat(outputs)[self.stream_order][None], None
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+@dataclass(frozen=True)
+class StateBucket:
+    """Pieces of one tree depth and similar length, padded to one batch for one call of a
+    recurrent layer's scan."""
+
+    pieces: list[int]
+    """Piece ids, in row order."""
+    parents: list[int] | None
+    """The piece whose final state each row starts from; None where every row starts from
+    zero (the roots, depth 0)."""
+    index: Tensor
+    """[rows × length] stream index of each (row, step) slot (0 in padding slots)."""
+    valid: Tensor
+    """[rows × length] bool: the slots that hold a real token."""
+    keeps_state: bool
+    """Some piece here is a parent: its final state is needed."""
+    rows: int
+    length: int
+
+
+@dataclass(frozen=True)
+class ConvWindows:
+    """The stream tokens whose causal-conv window in the stream is not their path's (the
+    first ``kernel - 1`` tokens of a piece that does not continue the stream token before
+    it), with their path windows."""
+
+    positions: Tensor
+    """[fixes] stream indices."""
+    windows: Tensor
+    """[fixes, kernel] stream indices of each one's path window, oldest first, ending with
+    itself; -1 before its path's start."""
+
+
+@dataclass(frozen=True)
+class RecurrentLayout:
+    """The packed stream as pieces of a prefix tree, for layers that carry state along a
+    sequence (``linear_attention.py``). A piece is a run of consecutive stream tokens that
+    one recurrent state passes through; it starts from its parent's final state."""
+
+    buckets: tuple[StateBucket, ...]
+    """In order of depth: every parent's bucket comes before its children's."""
+    stream_order: Tensor
+    """[stream]: where each stream token's output is in the buckets' outputs, concatenated."""
+    previous: list[int]
+    """Each stream token's predecessor on its path (-1 at a path's start)."""
+    piece_starts: list[int]
+    _conv_windows: dict[int, ConvWindows] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(cls, segments: Sequence[Segment], stream: int, device: torch.device) -> RecurrentLayout:
+        # A segment's first token continues from its path's last shared token, wherever an
+        # earlier segment put it: cut there (so that some piece ends with that token's state)
+        # and at every segment's start.
+        continues_from = {s.queries[0]: (s.keys[s.shared - 1] if s.shared else -1)
+                          for s in segments}  # fmt: skip
+        cuts = set(continues_from) | {before + 1 for before in continues_from.values()}
+        starts = sorted(cut for cut in cuts if 0 <= cut < stream)
+        ends = [*starts[1:], stream]
+        piece_ending_at = {end - 1: piece for piece, end in enumerate(ends)}
+        previous = list(range(-1, stream - 1))
+        parents: list[int | None] = []
+        depths: list[int] = []
+        for start in starts:
+            before = continues_from.get(start, start - 1)
+            previous[start] = before
+            parent = piece_ending_at[before] if before >= 0 else None
+            parents.append(parent)
+            depths.append(0 if parent is None else depths[parent] + 1)
+        has_children = {parent for parent in parents if parent is not None}
+        buckets = []
+        for depth in range(max(depths, default=-1) + 1):
+            pieces = [p for p, d in enumerate(depths) if d == depth]
+            lengths = [ends[p] - starts[p] for p in pieces]
+            for group in length_groups(lengths):
+                chosen = [pieces[i] for i in group]
+                buckets.append(_state_bucket(chosen, starts, ends, parents, has_children, device))
+        order = [t for b in buckets for p in b.pieces for t in range(starts[p], ends[p])]
+        return cls(
+            buckets=tuple(buckets),
+            stream_order=torch.tensor(order, dtype=torch.long, device=device).argsort(),
+            previous=previous,
+            piece_starts=starts,
+        )
+
+    def conv_windows(self, kernel: int) -> ConvWindows:
+        """``ConvWindows`` for a causal conv of ``kernel`` taps (computed once per size)."""
+        if kernel not in self._conv_windows:
+            positions, windows = [], []
+            ends = [*self.piece_starts[1:], len(self.previous)]
+            for start, end in zip(self.piece_starts, ends, strict=True):
+                for t in range(start, min(start + kernel - 1, end)):
+                    window = [t]
+                    for _ in range(kernel - 1):
+                        window.insert(0, self.previous[window[0]] if window[0] >= 0 else -1)
+                    in_stream = [s if s >= 0 else -1 for s in range(t - kernel + 1, t + 1)]
+                    if window != in_stream:
+                        positions.append(t)
+                        windows.append(window)
+            device = self.stream_order.device
+            self._conv_windows[kernel] = ConvWindows(
+                positions=torch.tensor(positions, dtype=torch.long, device=device),
+                windows=torch.tensor(windows, dtype=torch.long, device=device).view(-1, kernel),
+            )
+        return self._conv_windows[kernel]
+
+
+def _state_bucket(
+    pieces: list[int],
+    starts: list[int],
+    ends: list[int],
+    parents: list[int | None],
+    has_children: set[int],
+    device: torch.device,
+) -> StateBucket:
+    length = max(ends[p] - starts[p] for p in pieces)
+    index = torch.zeros((len(pieces), length), dtype=torch.long)
+    valid = torch.zeros((len(pieces), length), dtype=torch.bool)
+    for row, piece in enumerate(pieces):
+        count = ends[piece] - starts[piece]
+        index[row, :count] = torch.arange(starts[piece], ends[piece])
+        valid[row, :count] = True
+    row_parents = [parents[p] for p in pieces]
+    return StateBucket(
+        pieces=pieces,
+        parents=None if row_parents[0] is None else [p for p in row_parents if p is not None],
+        index=index.flatten().to(device),
+        valid=valid.flatten().to(device),
+        keeps_state=any(p in has_children for p in pieces),
+        rows=len(pieces), length=length,
+    )  # fmt: skip

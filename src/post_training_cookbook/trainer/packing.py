@@ -16,10 +16,14 @@ log-probabilities, the loss and the gradients are the plain path's up to float r
 Which models: those whose decoder passes keyword arguments down to the attention function
 and takes rotary positions from ``position_ids`` (Llama, Qwen2/2.5/3, Mistral, SmolLM2
 and most current decoder-only families in transformers), with SDPA attention (the
-default). ``choose_packing`` checks that a model's packed hidden states equal its plain
-ones on a few tokens before turning packing on, and otherwise says why, once, and keeps
-padded rows; models with sliding-window layers, soft-capped or sink attention, or another
-attention implementation (eager, flash) keep padded rows.
+default), and the Gated DeltaNet hybrids Qwen3.5 and Qwen3.5-MoE, whose linear-attention
+layers restart at each sample's start and continue each branch from its shared prefix's
+state (``linear_attention.py``). ``choose_packing`` checks that a model's packed hidden
+states equal its plain ones on a few tokens before turning packing on, and otherwise says
+why, once, and keeps padded rows: models with sliding-window layers (Gemma 2/3, Mistral
+with a window, Qwen2 with ``use_sliding_window``), soft-capped or sink attention, another
+attention implementation (eager, flash), or recurrent layers without a packed forward
+(Qwen3-Next, Mamba, Jamba, Bamba, Falcon-H1, LFM2, ...) keep padded rows.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from post_training_cookbook.batching import length_groups
+from post_training_cookbook.trainer import linear_attention
 from post_training_cookbook.trainer.attention import TRAINER_ATTENTION
 from post_training_cookbook.trainer.logprobs import MicroBatch, collate, hidden_at_trained
 from post_training_cookbook.trainer.packed_layout import AttentionBucket, PackedLayout, Segment
@@ -141,6 +146,7 @@ def collate_packed(
         hidden_index=torch.tensor(hidden_index, dtype=torch.long, device=device),
         buckets=tuple(AttentionBucket.of(bucket, device) for bucket in buckets),
         stream_order=torch.tensor(order, dtype=torch.long, device=device).argsort(),
+        segments=tuple(segments),
     )
     return batch
 
@@ -221,6 +227,11 @@ def layout_mismatch(model: PreTrainedModel) -> str | None:
         return f"its attention implementation is {implementation!r}, not SDPA"
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return "it has sliding-window attention layers"
+    if getattr(model, "_is_stateful", False) and not linear_attention.installed(model):
+        return (
+            "its recurrent layers carry state along the stream (packed forwards exist for "
+            f"{', '.join(sorted(linear_attention.SUPPORTED))} only)"
+        )
     vocab = config.vocab_size
     prefix = [(7 * i + 3) % vocab for i in range(8)]
     token_lists = [

@@ -51,7 +51,7 @@ from post_training_cookbook.models.loading import (
     load_causal_lm,
     load_tokenizer_if_any,
 )
-from post_training_cookbook.trainer import attention, checkpoints
+from post_training_cookbook.trainer import attention, checkpoints, linear_attention
 from post_training_cookbook.trainer.logprobs import (
     MicroBatch,
     TokenLogprobs,
@@ -149,7 +149,8 @@ class Trainer:
         rank of a sharded trainer (``sharded.py``); it joins the group before loading.
         ``packing``: each micro-batch is one token stream without padding, and with
         ``shared_prefix`` a prefix shared by samples is forwarded once (``packing.py``; on
-        only for models where it is exact);
+        only for models where it is exact, Gated DeltaNet hybrids included,
+        ``linear_attention.py``);
         ``micro_batch_tokens`` then bounds a stream's tokens.
         """
         check_batch_options(
@@ -165,6 +166,7 @@ class Trainer:
         base = load_causal_lm(model_path_or_model, dtype)
         cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
         attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
+        linear_attention.use_for(base)  # Gated DeltaNet over packed streams
         self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix)
         if tokenizer is None:
             tokenizer = load_tokenizer_if_any(model_path_or_model)
