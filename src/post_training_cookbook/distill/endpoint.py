@@ -221,7 +221,7 @@ def _sample_logprobs(
                 f"otherwise than {student}; a teacher needs the student's tokenizer"
             )
         value = found.get("logprob") if isinstance(found, dict) else found
-        if not _is_number(value):
+        if not isinstance(value, int | float) or isinstance(value, bool):
             raise TeacherAnswerError(f"{at}: the log-probability is {value!r:.60}, not a number")
         value = float(value)
         if not MIN_LOGPROB <= value <= POSITIVE_SLACK:  # NaN fails both
@@ -235,7 +235,3 @@ def _sample_logprobs(
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
