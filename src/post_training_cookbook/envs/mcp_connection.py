@@ -35,15 +35,14 @@ import concurrent.futures
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
-import uuid
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from post_training_cookbook.envs.base import ToolBackendError
+from post_training_cookbook.envs.process_marks import kill_marked, new_mark
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -103,7 +102,7 @@ class MCPConnection:
         self.call_timeout_s = call_timeout_s
         self.ended: str | None = None
         """Why the connection ended, once it has (None while it is usable)."""
-        self._mark = uuid.uuid4().hex
+        self._mark = new_mark()
         _quiet_garbage_log()
         self._client: Any = None
         self._serve_task: asyncio.Task[None] | None = None
@@ -264,10 +263,10 @@ class MCPConnection:
         self._thread.join(CLOSE_TIMEOUT_S)
         self._end(f"{self.label} was closed")
         if isinstance(self.server, MCPStdioServer):
-            killed = kill_marked(self._mark)
-            if killed:
-                log.warning("%s: killed the %d process(es) it left: %s", self.label,
-                            len(killed), killed)  # fmt: skip
+            left = kill_marked(MARK_VARIABLE, self._mark)
+            if left.killed or left.survived:
+                log.warning("%s: killed the process(es) it left %s; could not kill %s",
+                            self.label, list(left.killed), list(left.survived))  # fmt: skip
 
     async def _shutdown(self) -> None:
         """Leave the session: at once, by cancelling, while it is still starting (a server
@@ -328,27 +327,6 @@ def _reason(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"[:300]
-
-
-def kill_marked(mark: str) -> list[int]:
-    """SIGKILL to every process whose environment holds ``MARK_VARIABLE=mark``; their ids.
-    Linux only (``/proc``); elsewhere none are found."""
-    needle = f"{MARK_VARIABLE}={mark}".encode()
-    killed = []
-    try:
-        entries = [entry.name for entry in os.scandir("/proc") if entry.name.isdigit()]
-    except OSError:
-        return []
-    for name in entries:
-        try:
-            with open(f"/proc/{name}/environ", "rb") as environ:
-                if needle not in environ.read().split(b"\0"):
-                    continue
-            os.kill(int(name), signal.SIGKILL)
-        except (OSError, ValueError):  # gone, or another user's
-            continue
-        killed.append(int(name))
-    return killed
 
 
 class _GarbageLogLimit(logging.Filter):
