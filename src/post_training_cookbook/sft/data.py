@@ -230,7 +230,7 @@ def _check_fields(message: Mapping[str, Any], at: str) -> None:
     if content is not None and not isinstance(content, str):
         raise SFTDataError(f"{at}: content must be a string")
     for name in ("tool_call_id", "name", "reasoning_content"):
-        if name in message and not isinstance(message[name], str):
+        if message.get(name) is not None and not isinstance(message[name], str):
             raise SFTDataError(f"{at}: {name} must be a string")
     if not isinstance(message.get("tool_calls") or [], list):
         raise SFTDataError(f"{at}: tool_calls must be a list")
