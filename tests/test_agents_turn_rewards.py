@@ -78,3 +78,21 @@ def test_per_call_rewards_that_do_not_match_the_calls_are_an_env_error():
             continue  # a 4-token reply may not parse: then failed_parse_reward stands
         assert episode.truncation is TruncationCause.ENV
         assert "3 per-call rewards for 1 calls" in (episode.env_error or "")
+
+
+def huge_reward_agent(base_url, api_key, task):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": task.prompt}]
+    client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return [1e308]
+
+
+def test_per_call_rewards_too_large_for_the_advantage_arithmetic_are_an_env_error():
+    """The rollout guard's rule (``reward_problem``): 1e308 per call would overflow the
+    per-step returns; refused as the episode's env error, never summed."""
+    result = evaluate_agent(huge_reward_agent, env_errors="truncate")
+    for episode in (e for g in result.groups for e in g.episodes):
+        if episode.truncation is TruncationCause.PARSE_FAILURE:
+            continue
+        assert episode.truncation is TruncationCause.ENV
+        assert "of size at most 1e+09" in (episode.env_error or ""), episode.env_error

@@ -196,6 +196,39 @@ def test_bfcl_env_rewards_the_checkers_verdict_and_sends_bfcls_tool_docs():
     assert tool["function"]["description"].endswith("in Python 3 syntax.")
 
 
+MALFORMED_CALLS: dict[str, Any] = {
+    "tool_calls a number": 5,
+    "a call a string": ["calculate_triangle_area(base=10)"],
+    "a call without its function": [{"id": "c", "type": "function"}],
+    "a name that is a list": [{"id": "c", "function": {"name": ["f"], "arguments": "{}"}}],
+    "arguments an object, not its JSON": [
+        {"id": "c", "function": {"name": "f", "arguments": {"base": 10}}}
+    ],
+    "arguments nested past the recursion limit": [
+        {"id": "c", "function": {"name": "f", "arguments": "[" * 100_000 + "]" * 100_000}}
+    ],
+    "arguments without a name": [{"id": "c", "function": {"arguments": "{}"}}],
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_CALLS)
+def test_bfcl_env_scores_a_malformed_call_as_a_failed_call(case: str) -> None:
+    """A hand-written client (not the codec) can send any of these: each is the reply's
+    failure to decode, reward 0, never an exception out of ``step``."""
+    (task,) = bfcl_tasks(["simple_python"], limit=1)
+
+    async def play() -> Any:
+        env = BFCLEnv()
+        await env.reset(task)
+        reply = {"role": "assistant", "content": "", "tool_calls": MALFORMED_CALLS[case]}
+        return await env.step(reply), env.verdict  # type: ignore[arg-type]
+
+    result, verdict = asyncio.run(play())
+    assert result.terminated and result.reward == 0.0 and result.metrics["bfcl_valid"] == 0.0
+    assert verdict.error_type == "ast_decoder:decoder_failed", verdict
+    assert "malformed" in verdict.errors[0]
+
+
 def test_bad_benchmark_input_fails_before_any_model_loads():
     with pytest.raises(ValueError, match="unknown benchmark"):
         evaluate("no/such-model", benchmark="bfcl2", runs_dir=None)

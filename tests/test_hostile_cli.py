@@ -127,6 +127,13 @@ def test_a_model_folder_whose_config_has_wrongly_typed_fields_is_named(capsys, t
     assert_one_line(status, err, "unknown model")
 
 
+def test_a_model_folder_whose_tokenizer_cannot_load_is_named_in_one_line(capsys, tmp_path):
+    model = Path(shutil.copytree(tiny_model_dir(), tmp_path / "model"))
+    (model / "tokenizer.json").write_text(json.dumps({"model": 5}))  # JSON, not a tokenizer
+    status, _, err = run_cli(capsys, "train", train_yaml(tmp_path), "--set", f"model={model}")
+    assert_one_line(status, err, f"{model}: its tokenizer cannot be loaded")
+
+
 @pytest.mark.parametrize("port", ["99999", "-1", "http"])
 def test_serve_refuses_a_port_out_of_range(capsys, port):
     assert_one_line(*run_cli(capsys, "serve", "x", "--port", port)[::2], "--port")

@@ -65,6 +65,20 @@ MALFORMED: dict[str, tuple[dict[str, Any], str]] = {
         },
         "messages[1].tool_calls[0].function.arguments",
     ),
+    "surrogate escaped in the arguments' JSON": (
+        {
+            "messages": [
+                USER,
+                {
+                    "role": "assistant",
+                    "tool_calls": [
+                        {**CALL, "function": {"name": "lookup", "arguments": '{"a": "\\ud800"}'}}
+                    ],
+                },
+            ]
+        },
+        "messages[1].tool_calls[0].function.arguments",
+    ),
     "tools entry a number": ({"messages": [USER], "tools": [5]}, "tools[0]"),
     "tools entry a string": ({"messages": [USER], "tools": ["lookup"]}, "tools[0]"),
     "role a list": ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0]"),

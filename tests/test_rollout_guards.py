@@ -115,6 +115,24 @@ def test_a_reward_that_is_not_a_finite_number_is_an_env_error_never_a_nan(reward
     )
 
 
+@pytest.mark.parametrize(
+    ("reward", "says"),
+    [(True, "not a bool"), (1e308, "of size at most 1e+09"), (-1e10, "of size at most 1e+09")],
+)
+def test_a_reward_too_large_for_the_advantage_arithmetic_or_a_bool_is_an_env_error(reward, says):
+    """Finite but past what GRPO's sums of returns, means and deviations can hold (1e308 + 1e308
+    overflows), or a bool (an env's mistake, True read as 1.0): refused where rewards enter,
+    before any arithmetic; the same rule as ``AgentEnvs``' (``reward_problem``)."""
+
+    class BigReward(PokeEnv):
+        def reward(self):  # type: ignore[override]
+            return reward
+
+    error = env_error_of(BigReward)
+    assert error.startswith(f"BigReward: env.step returned reward {reward!r}: a reward must be")
+    assert says in error
+
+
 def test_under_raise_a_nan_reward_stops_the_run_naming_the_task_and_turn():
     class NanReward(PokeEnv):
         def reward(self) -> float:

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from test_sandbox import LIMITS, SHORT, needs_bwrap, python, python_error
+from test_sandbox import LIMITS, SHORT, needs_bwrap, processes_with, python, python_error
 
 from post_training_cookbook.envs.sandbox import (
     SandboxConfig,
@@ -41,6 +41,37 @@ def test_the_plain_subprocess_runs_only_by_name_with_limits_and_a_clean_environm
         assert "PTC_TEST_SECRET" not in python(session, "import os; print(dict(os.environ))")
         assert "MemoryError" in python_error(session, "x = bytearray(1 << 30)")
         assert "timed out" in python_error(session, "import time; time.sleep(60)")
+    finally:
+        unsafe.close()
+
+
+def daemon_code(marker: str, output: str) -> str:
+    """Python that starts ``sleep`` as a setsid daemon (out of the run's process group; its
+    duration is ``marker``, to find it by) and returns."""
+    return (
+        "import subprocess\n"
+        f"subprocess.Popen(['setsid', 'sleep', '{marker}']{output})\n"
+        "print('started')\n"
+    )
+
+
+def test_the_plain_subprocess_kills_a_setsid_daemon_and_reports_it() -> None:
+    """Neither a daemon of a call that returned nor one holding the output past the timeout
+    outlives its call, and the call says so (it never claims "every process" killed: a
+    process that left the group and cleared its environment would not be found)."""
+    unsafe = SandboxPool(dataclasses.replace(SHORT, isolation="unsafe_subprocess"))
+    try:
+        session = unsafe.session()
+        quiet = f"299.{os.getpid()}1"
+        said = python(session, daemon_code(quiet, ", stdout=-3, stderr=-3"))
+        assert said.startswith("started") and "killed 1 process(es) it left running" in said, said
+        assert not processes_with(quiet), "the daemon of a call that returned kept running"
+        holding = f"299.{os.getpid()}2"
+        error = python_error(session, daemon_code(holding, ""))
+        assert "timed out" in error and "every process it started" not in error, error
+        assert "its process group was killed" in error, error
+        assert "killed 1 process(es) it left running" in error, error
+        assert not processes_with(holding), "the daemon holding the output kept running"
     finally:
         unsafe.close()
 

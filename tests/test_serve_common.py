@@ -107,6 +107,9 @@ class Scripted:
     body: dict[str, Any] = field(default_factory=completion_json)
     delay_s: float = 0.0
     headers: dict[str, str] = field(default_factory=dict)
+    raw: bytes | None = None
+    """Sent as the body instead of ``body``: JSON that Python's encoder would refuse to
+    write (``NaN``, ``Infinity``), as another server may."""
 
 
 def error_json(message: str, code: str | None = None, kind: str = "invalid_request_error") -> dict:
@@ -133,6 +136,9 @@ class ScriptedEndpoint:
                 await asyncio.sleep(answer.delay_s)
             finally:
                 self.in_flight -= 1
+            if answer.raw is not None:
+                return Response(answer.raw, answer.status, headers=answer.headers,
+                                media_type="application/json")  # fmt: skip
             return JSONResponse(answer.body, answer.status, headers=answer.headers)
 
         app = Starlette(routes=[Route(path, completions, methods=["POST"])])

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from post_training_cookbook.agents.episode import EpisodeEndpoint, record_segmen
 from post_training_cookbook.codecs import Codec
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.rollout.guards import EnvFault
+from post_training_cookbook.rollout.guards import EnvFault, reward_problem
 from post_training_cookbook.rollout.types import (
     DrivenEnv,
     Episode,
@@ -273,9 +272,9 @@ def _per_call(reward: AgentReward, calls: int) -> tuple[float, list[float]]:
 
 
 def _finite(value: Any, who: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if (problem := reward_problem(value)) is not None:
         raise EnvFault(
-            f"{who} returned {value!r}: return the episode's reward as a finite number"
+            f"{who} returned {value!r}: {problem}"
             + (" (or give AgentEnvs a reward_fn)" if who == "the agent" else "")
         )
     return float(value)

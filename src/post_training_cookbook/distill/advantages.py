@@ -12,7 +12,10 @@ the same weights as teacher it is the teacher's number to the bit, and the advan
 The teacher is called on chunks of ``sequences_per_call`` samples, all at once (the endpoint
 bounds how many are in flight). A chunk that fails after the teacher's retries follows
 ``env_errors``: ``"raise"`` stops the run naming the teacher; ``"truncate"`` and ``"retry"``
-drop the chunk's samples from the step, counted in ``distill/teacher_failed_samples``.
+drop the chunk's samples from the step, counted in ``distill/teacher_failed_samples``. An
+answer of the wrong shape, or with a log-probability that is not finite or not in
+[-1000, 0] (``endpoint.py``'s ``prompt_logprobs``), is such a failure too, never trained on,
+and also counted in ``distill/teacher_malformed_samples``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from post_training_cookbook.distill.teacher import Teacher, TeacherCallError, TeacherError
+from post_training_cookbook.distill.teacher import (
+    Teacher,
+    TeacherAnswerError,
+    TeacherCallError,
+    TeacherError,
+)
 from post_training_cookbook.grpo.advantages import TrainingBatch
 from post_training_cookbook.rollout.types import EnvErrorPolicy
 from post_training_cookbook.service.base import ModelService
@@ -61,7 +69,7 @@ async def distill_batch(
     if isinstance(student_rows, BaseException):
         raise student_rows
     samples: list[TrainingSample] = []
-    failed = 0
+    failed = malformed = 0
     gaps: list[float] = []
     teacher_values: list[float] = []
     student_iter = iter(student_rows)
@@ -73,6 +81,7 @@ async def distill_batch(
             if settings.env_errors == "raise":
                 raise TeacherError(f"teacher {teacher.name}: {answer}") from answer
             failed += len(chunk)
+            malformed += len(chunk) if isinstance(answer, TeacherAnswerError) else 0
             continue
         for sample, student, taught in zip(chunk, students, answer, strict=True):
             samples.append(_distilled(sample, student, taught, settings, gaps, teacher_values))
@@ -80,6 +89,7 @@ async def distill_batch(
         "distill/reverse_kl": statistics.fmean(gaps) if gaps else 0.0,
         "distill/teacher_logprob_mean": statistics.fmean(teacher_values) if gaps else 0.0,
         "distill/teacher_failed_samples": float(failed),
+        "distill/teacher_malformed_samples": float(malformed),
         "time/teacher": time.perf_counter() - started,
     }
     return replace(batch, samples=samples), metrics

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import Sequence
 from typing import Any
 
-from post_training_cookbook.distill.teacher import TeacherCallError, TeacherError
+from post_training_cookbook.distill.teacher import (
+    TeacherAnswerError,
+    TeacherCallError,
+    TeacherError,
+)
 from post_training_cookbook.openai_api import RETRIED_STATUSES, ResponseTooLarge, bounded_body
 from post_training_cookbook.trainer.types import TrainingSample
 
@@ -39,6 +42,11 @@ RESPONSE_BYTES_PER_TOKEN = 1_000
 MIN_RESPONSE_BYTES = 1_000_000
 ERROR_BYTES = 300
 """Of a failed request's body, what the error quotes (and reads)."""
+MIN_LOGPROB = -1_000.0
+"""The lowest teacher log-probability taken as one: no language model's softmax gives a
+token e^-1000, while servers write -9999 or -inf for a token they did not score."""
+POSITIVE_SLACK = 1e-3
+"""How far above 0 a log-probability may round (a bf16 log-softmax) and count as 0."""
 
 
 class EndpointTeacher:
@@ -96,42 +104,7 @@ class EndpointTeacher:
             "prompt_logprobs": 0,
         }
         body = await self._call("POST", "/completions", request)
-        if not isinstance(body, dict):
-            raise TeacherCallError(
-                f"{self.name} answered a JSON {type(body).__name__}, not an object"
-            )
-        choices = sorted(body.get("choices") or [], key=lambda choice: choice.get("index", 0))
-        if len(choices) != len(samples):
-            raise TeacherCallError(
-                f"{self.name} answered {len(choices)} choices for {len(samples)} prompts"
-            )
-        return [
-            self._logprobs(sample, choice.get("prompt_logprobs"))
-            for sample, choice in zip(samples, choices, strict=True)
-        ]
-
-    def _logprobs(self, sample: TrainingSample, entries: Any) -> list[float]:
-        if not isinstance(entries, list) or len(entries) != len(sample.tokens):
-            got = len(entries) if isinstance(entries, list) else type(entries).__name__
-            raise TeacherCallError(
-                f"{self.name} returned {got} prompt_logprobs for {len(sample.tokens)} prompt "
-                "tokens: it must support prompt_logprobs on token-id prompts (vLLM does)"
-            )
-        values = [0.0] * len(sample.tokens)
-        for position, (token, mask) in enumerate(zip(sample.tokens, sample.mask, strict=True)):
-            if not mask:
-                continue
-            entry = entries[position] or {}
-            found = entry.get(str(token))
-            if found is None:
-                raise TeacherError(
-                    f"teacher {self.name} does not score token id {token} at position "
-                    f"{position} (it returned ids {sorted(entry)[:5]}): it tokenizes otherwise "
-                    f"than {self._student}; a teacher needs the student's tokenizer"
-                )
-            value = float(found["logprob"] if isinstance(found, dict) else found)
-            values[position] = value if math.isfinite(value) else -1e4
-        return values
+        return prompt_logprobs(body, samples, teacher=self.name, student=self._student)
 
     def _response_bound(self, body: dict[str, Any] | None) -> int:
         if self.max_response_bytes is not None:
@@ -143,7 +116,7 @@ class EndpointTeacher:
         try:
             return json.loads(raw)
         except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-            raise TeacherCallError(
+            raise TeacherAnswerError(
                 f"teacher {self.name}{path} answered a body that is not JSON: {exc}"
             ) from exc
 
@@ -184,3 +157,81 @@ async def _head(chunks: Any, size: int) -> str:
         if len(head) >= size:
             break
     return head[:size].decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------- reading an answer
+
+
+def prompt_logprobs(
+    body: Any, samples: Sequence[TrainingSample], *, teacher: str, student: str
+) -> list[list[float]]:
+    """Per sample, the teacher's log-probability of each sampled token (0.0 elsewhere), read
+    from a ``/v1/completions`` answer. An answer of the wrong shape, or a log-probability
+    that is not a finite number in [``MIN_LOGPROB``, 0], raises ``TeacherAnswerError`` (the
+    loop applies ``env_errors``: those samples are never trained on); entries that do not
+    name the student's token ids raise ``TeacherError`` (another tokenizer: unfit to teach)."""
+    if not isinstance(body, dict):
+        raise TeacherAnswerError(f"{teacher} answered a JSON {type(body).__name__}, not an object")
+    choices = _ordered_choices(body.get("choices"), teacher)
+    if len(choices) != len(samples):
+        raise TeacherAnswerError(
+            f"{teacher} answered {len(choices)} choices for {len(samples)} prompts"
+        )
+    return [
+        _sample_logprobs(sample, choice.get("prompt_logprobs"), teacher, student)
+        for sample, choice in zip(samples, choices, strict=True)
+    ]
+
+
+def _ordered_choices(choices: Any, teacher: str) -> list[dict[str, Any]]:
+    """``choices`` in ``index`` order: a list of objects whose indices, where any is given,
+    are the ints 0..n-1 (a choice without one keeps its place)."""
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise TeacherAnswerError(f"{teacher}: choices is not a list of objects")
+    indices = [choice.get("index", place) for place, choice in enumerate(choices)]
+    if sorted(i if _is_int(i) else -1 for i in indices) != list(range(len(choices))):
+        raise TeacherAnswerError(
+            f"{teacher}: the choices' indices {indices[:8]!r:.120} are not 0..{len(choices) - 1}"
+        )
+    return [choice for _, choice in sorted(zip(indices, choices, strict=True))]
+
+
+def _sample_logprobs(
+    sample: TrainingSample, entries: Any, teacher: str, student: str
+) -> list[float]:
+    if not isinstance(entries, list) or len(entries) != len(sample.tokens):
+        got = len(entries) if isinstance(entries, list) else type(entries).__name__
+        raise TeacherAnswerError(
+            f"{teacher} returned {got} prompt_logprobs for {len(sample.tokens)} prompt "
+            "tokens: it must support prompt_logprobs on token-id prompts (vLLM does)"
+        )
+    values = [0.0] * len(sample.tokens)
+    for position, (token, mask) in enumerate(zip(sample.tokens, sample.mask, strict=True)):
+        if not mask:
+            continue
+        entry = entries[position]
+        at = f"{teacher}: prompt_logprobs[{position}]"
+        if not isinstance(entry, dict):
+            raise TeacherAnswerError(f"{at} is {type(entry).__name__}, not an object of ids")
+        found = entry.get(str(token))
+        if found is None and str(token) not in entry:
+            raise TeacherError(
+                f"teacher {teacher} does not score token id {token} at position "
+                f"{position} (it returned ids {sorted(map(str, entry))[:5]}): it tokenizes "
+                f"otherwise than {student}; a teacher needs the student's tokenizer"
+            )
+        value = found.get("logprob") if isinstance(found, dict) else found
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise TeacherAnswerError(f"{at}: the log-probability is {value!r:.60}, not a number")
+        value = float(value)
+        if not MIN_LOGPROB <= value <= POSITIVE_SLACK:  # NaN fails both
+            raise TeacherAnswerError(
+                f"{at}: log-probability {value!r} of token {token} is not a finite number in "
+                f"[{MIN_LOGPROB:g}, 0]"
+            )
+        values[position] = min(value, 0.0)
+    return values
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -37,6 +37,11 @@ class TeacherCallError(RuntimeError):
     ``env_errors="raise"``."""
 
 
+class TeacherAnswerError(TeacherCallError):
+    """A teacher's answer of the wrong shape, or with a log-probability that is not a finite
+    number in range: a failed call (under ``env_errors``), counted apart, never trained on."""
+
+
 class Teacher(Protocol):
     name: str
 

@@ -12,7 +12,20 @@ awaited for ever.
 What goes wrong with the server (it did not start in time, its connection closed, it did
 not answer) raises ``ToolBackendError``: the env lets it through, and the rollout makes it
 an env error under ``env_errors``. An error about the call itself (the server rejected the
-arguments) raises ``ValueError``: the model reads it as a tool error.
+arguments, or answered any JSON-RPC error) raises ``ValueError``: the model reads it as a
+tool error. The SDK reports a closed connection with the code -32000, which a server may
+also answer with: a -32000 is taken for a lost connection only when the SDK refuses a
+``tools/list`` (sent past its cache) the same way: it refuses every request once the
+connection is closed.
+
+A stdio server is started with ``POST_TRAINING_COOKBOOK_MCP_SERVER`` set to a mark of its
+connection, and every close ends with SIGKILL to each process still carrying it (Linux:
+read from ``/proc``): the SDK ends the server's process group itself, but a close cut
+short (a server stuck in its start, ignoring SIGTERM, on a loaded machine) or a child that
+left the group would otherwise outlive the run.
+
+The SDK logs a traceback for each line a stdio server writes that is not JSON-RPC; that
+log is cut to its first line, once a minute, with a count of the lines since.
 """
 
 from __future__ import annotations
@@ -23,11 +36,13 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from post_training_cookbook.envs.base import ToolBackendError
+from post_training_cookbook.envs.process_marks import kill_marked, new_mark
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +52,12 @@ CLOSE_TIMEOUT_S = 10.0
 moment for it to exit before it kills it); past it the connection's task is cancelled."""
 MAX_TOOL_PAGES = 100
 """Pages of ``tools/list`` read at most: a server that paginates for ever cannot hang a start."""
+PROBE_TIMEOUT_S = 5.0
+"""How long the request that tells a server's -32000 from a closed connection may take."""
+MARK_VARIABLE = "POST_TRAINING_COOKBOOK_MCP_SERVER"
+"""In a stdio server's environment: its connection's mark, which its processes inherit."""
+GARBAGE_LOG_INTERVAL_S = 60.0
+"""The SDK's log of a line that is not JSON-RPC passes once in this long, counted."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +102,8 @@ class MCPConnection:
         self.call_timeout_s = call_timeout_s
         self.ended: str | None = None
         """Why the connection ended, once it has (None while it is usable)."""
+        self._mark = new_mark()
+        _quiet_garbage_log()
         self._client: Any = None
         self._serve_task: asyncio.Task[None] | None = None
         self._started: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
@@ -124,7 +147,7 @@ class MCPConnection:
             return StdioServerParameters(
                 command=self.server.command,
                 args=list(self.server.args),
-                env=dict(self.server.env),
+                env={**self.server.env, MARK_VARIABLE: self._mark},
                 cwd=self.server.cwd,
             )
         if not self.server.headers:
@@ -187,16 +210,38 @@ class MCPConnection:
         except MCPError as exc:
             if exc.code == REQUEST_TIMEOUT:
                 raise ToolBackendError(self._no_answer(name)) from exc
-            if exc.code == CONNECTION_CLOSED:
+            if exc.code == CONNECTION_CLOSED and await self._connection_lost():
                 self._end(f"{self.label}: its connection closed during tools/call {name!r}")
                 raise ToolBackendError(self.ended) from exc
-            # a protocol-level error about this call (unknown tool, invalid arguments)
+            # an error about this call (unknown tool, invalid arguments, the server's own)
             raise ValueError(f"{name}: {exc.message}") from exc
         except (TimeoutError, concurrent.futures.CancelledError) as exc:
             raise ToolBackendError(self._no_answer(name)) from exc
         except Exception as exc:  # the transport failed: a refused connection, a reset
             self._end(f"{self.label} failed during tools/call {name!r}: {_reason(exc)}")
             raise ToolBackendError(self.ended) from exc
+
+    async def _connection_lost(self) -> bool:
+        """Whether the connection is closed, as the SDK tells it: every request after the
+        close fails with ``CONNECTION_CLOSED`` (or the transport's error) at once; a live
+        server answers ``tools/list`` (``ping`` is deprecated by the protocol)."""
+        from mcp import MCPError
+        from mcp.types import CONNECTION_CLOSED
+
+        client = self._client
+        if client is None:
+            return True
+        probe = self._submit(client.list_tools(cache_mode="bypass"))
+        if not await _wait(probe, PROBE_TIMEOUT_S):
+            probe.cancel()
+            return True
+        try:
+            probe.result()
+        except MCPError as exc:
+            return exc.code == CONNECTION_CLOSED
+        except Exception:  # the transport failed: the connection is gone
+            return True
+        return False
 
     def _no_answer(self, name: str) -> str:
         return f"{self.label} gave no answer to tools/call {name!r} in {self.call_timeout_s:g} s"
@@ -217,6 +262,11 @@ class MCPConnection:
                 self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(CLOSE_TIMEOUT_S)
         self._end(f"{self.label} was closed")
+        if isinstance(self.server, MCPStdioServer):
+            left = kill_marked(MARK_VARIABLE, self._mark)
+            if left.killed or left.survived:
+                log.warning("%s: killed the process(es) it left %s; could not kill %s",
+                            self.label, list(left.killed), list(left.survived))  # fmt: skip
 
     async def _shutdown(self) -> None:
         """Leave the session: at once, by cancelling, while it is still starting (a server
@@ -277,3 +327,44 @@ def _reason(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"[:300]
+
+
+class _GarbageLogLimit(logging.Filter):
+    """The SDK's "Failed to parse JSONRPC message" (a traceback a line a server writes that
+    is not JSON-RPC): its first line only, once in ``GARBAGE_LOG_INTERVAL_S``, counted."""
+
+    message = "Failed to parse JSONRPC message from server"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._last = -float("inf")
+        self._suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != self.message:
+            return True
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < GARBAGE_LOG_INTERVAL_S:
+                self._suppressed += 1
+                return False
+            self._last, suppressed, self._suppressed = now, self._suppressed, 0
+        error = record.exc_info[1] if record.exc_info else None
+        said = str(error).splitlines()[0][:200] if error is not None and str(error) else ""
+        record.msg = f"{self.message}{f': {said}' if said else ''}" + (
+            f" ({suppressed} more lines that are not JSON-RPC since)" if suppressed else ""
+        )
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info = record.exc_text = None
+        record.args = ()
+        return True
+
+
+_GARBAGE_LOG_LIMIT = _GarbageLogLimit()
+
+
+def _quiet_garbage_log() -> None:
+    stdio_log = logging.getLogger("mcp.client.stdio")
+    if _GARBAGE_LOG_LIMIT not in stdio_log.filters:
+        stdio_log.addFilter(_GARBAGE_LOG_LIMIT)

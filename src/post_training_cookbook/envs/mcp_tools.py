@@ -8,7 +8,8 @@ episode ``Tool`` objects that call them.
 
 - **Specs**: each tool's spec is the server's own ``tools/list`` entry (name, description,
   ``inputSchema`` as the parameters), read when the toolbox is built; ``tool_names`` keeps
-  some of them.
+  some of them. A kept name that breaks a tool's name rule, or two tools of one name, are
+  refused there (``ValueError``), not when each episode's env is built.
 - **Results**: ``tools/call``'s text content is what the model reads (images and resources
   as a one-line note), its ``structuredContent`` rides along as the ``ToolResult``'s
   ``structured_content`` (and is the text, as JSON, when there is no text); ``isError``
@@ -38,7 +39,7 @@ from post_training_cookbook.envs.mcp_connection import (
     MCPServerSpec,
     MCPStdioServer,
 )
-from post_training_cookbook.envs.tools import MAX_ARGUMENTS_LENGTH
+from post_training_cookbook.envs.tools import MAX_ARGUMENTS_LENGTH, TOOL_NAME
 
 Lifetime = Literal["run", "episode"]
 
@@ -90,6 +91,11 @@ class MCPToolbox:
                 connection.close_now()
                 raise ValueError(f"{connection.label} has no tool {missing}; it has {available}")
             listed = [tool for tool in listed if tool.name in set(tool_names)]
+        try:
+            check_tool_names([tool.name for tool in listed], connection.label)
+        except ValueError:
+            connection.close_now()
+            raise
         self.specs = [_spec(tool) for tool in listed]
         """The tools' specs, as the server stated them (OpenAI function-tool schema)."""
         self._shared: MCPConnection | None = None
@@ -183,6 +189,23 @@ class MCPTool:
         """End the episode's own server (a shared one outlives the episode)."""
         if isinstance(self._source, _EpisodeServer):
             await self._source.close()
+
+
+def check_tool_names(names: Sequence[str], label: str) -> None:
+    """``ValueError`` for a name no env can offer (a function tool's name rule, ``TOOL_NAME``)
+    or offered twice: else every episode's env would fail when it is built."""
+    for name in names:
+        if not TOOL_NAME.match(name):
+            raise ValueError(
+                f"{label} lists a tool named {name!r:.80}{'...' if len(name) > 80 else ''}: "
+                "a tool's name is 1 to 64 letters, digits, '_' or '-'; keep the others with "
+                "tool_names"
+            )
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{label} lists two tools named {name!r}")
+        seen.add(name)
 
 
 def _spec(tool: Any) -> dict[str, Any]:

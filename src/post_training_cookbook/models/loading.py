@@ -16,11 +16,26 @@ from transformers import (
 )
 
 from post_training_cookbook.codecs import Codec, get_codec, infer_codec
+from post_training_cookbook.files import BadFileError
 from post_training_cookbook.models.catalog import ModelInfo, check_codec_options
 
 
 def load_tokenizer(info: ModelInfo) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(info.source)
+    return tokenizer_from(info.source)
+
+
+def tokenizer_from(source: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """The tokenizer of a hub id or a folder; a folder's that transformers cannot load (a
+    ``tokenizer.json`` that is JSON but no tokenizer) raises ``BadFileError`` naming the
+    folder, in one line, where transformers' own error is a long traceback naming neither."""
+    folder = Path(source)
+    if not folder.is_dir():
+        return AutoTokenizer.from_pretrained(str(source))
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # KeyError, TypeError, AttributeError ... from its files
+        said = f"{type(exc).__name__}: {exc}"[:200]
+        raise BadFileError(folder, f"its tokenizer cannot be loaded ({said})") from exc
 
 
 def load_codec(
@@ -64,7 +79,7 @@ def load_tokenizer_if_any(source: str | os.PathLike[str] | PreTrainedModel) -> A
         markers = ("tokenizer.json", "tokenizer_config.json")
         if not any((folder / m).exists() for m in markers):
             return None
-        return AutoTokenizer.from_pretrained(folder)
+        return tokenizer_from(folder)
     try:  # a hub id: the model came from there, the tokenizer may not exist
         return AutoTokenizer.from_pretrained(str(source))
     except (OSError, ValueError):

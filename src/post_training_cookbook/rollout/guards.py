@@ -126,10 +126,8 @@ def checked_step(result: Any) -> StepResult:
     """``result`` of ``env.step`` with a finite numeric reward and numeric metrics."""
     if not isinstance(result, StepResult):
         raise EnvFault(f"env.step returned a {type(result).__name__}, not a StepResult")
-    if not _is_number(result.reward) or not math.isfinite(result.reward):
-        raise EnvFault(
-            f"env.step returned reward {result.reward!r}: a reward must be a finite number"
-        )
+    if (problem := reward_problem(result.reward)) is not None:
+        raise EnvFault(f"env.step returned reward {result.reward!r}: {problem}")
     if not isinstance(result.metrics, dict):
         raise EnvFault(f"env.step returned metrics of type {type(result.metrics).__name__}")
     for key, value in result.metrics.items():
@@ -161,6 +159,24 @@ def new_messages(known: Sequence[Message], returned: list[Message]) -> list[Mess
                 "assistant turns)"
             )
     return added
+
+
+MAX_REWARD = 1e9
+"""The largest reward (in size) taken: GRPO sums a turn's returns over the episode, then means
+and deviations over the group, and 1e308 + 1e308 overflows; past 1e9 a reward is a bug, not
+a score."""
+
+
+def reward_problem(value: object) -> str | None:
+    """Why ``value`` is no reward, or None: the one rule for every reward that enters a run
+    (an env's step, an agent's or its ``reward_fn``'s), checked before any arithmetic."""
+    if isinstance(value, bool):
+        return "a reward must be a number, not a bool"
+    if not _is_number(value) or not math.isfinite(value):  # type: ignore[arg-type]
+        return "a reward must be a finite number"
+    if abs(value) > MAX_REWARD:  # type: ignore[arg-type]
+        return f"a reward must be a finite number of size at most {MAX_REWARD:g}"
+    return None
 
 
 def _is_number(value: object) -> bool:

@@ -308,9 +308,14 @@ def _tool_call(value: Any, where: str) -> ToolCall:
     if not isinstance(name, str) or not isinstance(arguments, str):
         raise ApiError(400, f"{where}.function needs string name and arguments", param=where)
     try:
-        arguments_object(arguments)
+        parsed = arguments_object(arguments)
     except (ValueError, RecursionError):
         raise ApiError(400, f"{where}: arguments must be a JSON object", param=where) from None
+    field = f"{where}.function.arguments"
+    try:  # "\ud800" escaped in the JSON text: the string is ASCII, its value is not
+        _refuse_lone_surrogates(parsed, field)
+    except ApiError as exc:
+        raise ApiError(400, f"{exc.message} (escaped in the JSON)", param=field) from None
     return ToolCall(
         id=value["id"], type="function", function={"name": name, "arguments": arguments}
     )

@@ -237,7 +237,8 @@ async def _save_checkpoint(
 def _write_data_summary(
     directory: RunDirectory, train: RenderedData, val: RenderedData, num_steps: int
 ) -> list[str]:
-    """data.json, and a note for each kind of skipped conversation."""
+    """data.json, and a note for each kind of skipped conversation and for the message
+    keys dropped."""
     summary = {
         "num_steps": num_steps,
         "train_conversations": len(train.examples),
@@ -245,6 +246,7 @@ def _write_data_summary(
         "val_conversations": len(val.examples),
         "skipped_too_long": train.skipped_too_long + val.skipped_too_long,
         "skipped_untrained": train.skipped_untrained + val.skipped_untrained,
+        "ignored_message_keys": dict(train.ignored_keys + val.ignored_keys),
     }
     write_text_atomic(directory.path / DATA_SUMMARY, json.dumps(summary, indent=1) + "\n")
     notes = []
@@ -256,4 +258,8 @@ def _write_data_summary(
         if skipped:
             shown = ", ".join(skipped[:3]) + (" ..." if len(skipped) > 3 else "")
             notes.append(f"data: skipped {len(skipped)} conversation(s) {why}: {shown}")
+    ignored: dict[str, int] = summary["ignored_message_keys"]  # type: ignore[assignment]
+    if ignored:
+        counts = ", ".join(f"{key!r} in {count}" for key, count in sorted(ignored.items()))
+        notes.append(f"data: dropped message keys no codec renders ({counts} message(s))")
     return notes

@@ -6,7 +6,9 @@ per call, or the reply's text when it calls nothing. From there the steps are BF
 ``eval_runner`` steps for the category, with its functions:
 
 - AST categories: decode (``json.loads`` of each call's arguments, the FC handler's
-  ``decode_ast``; a failure is ``ast_decoder:decoder_failed``), then
+  ``decode_ast``; a failure is ``ast_decoder:decoder_failed``, as is a call of the wrong
+  shape: no function, a name that is not a string, arguments that are not a JSON string
+  or nest past Python's recursion limit), then
   ``is_function_calling_format_output``, then ``ast_checker``;
 - ``irrelevance`` / ``live_irrelevance``: right when the reply holds no function call (it
   does not decode, or ``is_empty_output``); ``live_relevance``: right when it holds one.
@@ -35,9 +37,14 @@ class BFCLVerdict:
     errors: tuple[str, ...] = ()
 
 
-def reply_calls(message: Message) -> list[FunctionCall]:
-    """The function calls of an assistant message, in order."""
-    return [call["function"] for call in message.get("tool_calls") or []]
+def reply_calls(message: Message) -> list[Any]:
+    """The function calls of an assistant message, in order. A hand-written client can send
+    calls the codec never makes (``tool_calls`` not a list, a call without its function):
+    those come back as they are, and ``check_reply`` scores them as calls that do not decode."""
+    calls: Any = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        return [calls]
+    return [call.get("function") if isinstance(call, dict) else call for call in calls]
 
 
 def check_reply(item: BFCLItem, calls: Sequence[FunctionCall]) -> BFCLVerdict:
@@ -83,14 +90,23 @@ def check_reply(item: BFCLItem, calls: Sequence[FunctionCall]) -> BFCLVerdict:
     return BFCLVerdict(False, result.get("error_type"), tuple(map(str, result.get("error", []))))
 
 
-def _decoded(calls: Sequence[FunctionCall]) -> tuple[list[dict[str, Any]] | None, str]:
+def _decoded(calls: Sequence[Any]) -> tuple[list[dict[str, Any]] | None, str]:
     """The FC handler's ``decode_ast`` of the recorded reply, or ``None`` and why not.
 
     A reply without calls is recorded as its text, and decoding text fails in BFCL (it
     iterates the string's characters as calls), so no calls decode to nothing as well."""
     if not calls:
         return None, "the reply calls no function"
-    try:
-        return [{call["name"]: json.loads(call["arguments"])} for call in calls], ""
-    except json.JSONDecodeError as exc:
-        return None, str(exc)
+    decoded = []
+    for index, call in enumerate(calls):
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None, f"malformed tool call {index}: {call!r:.80} names no function"
+        if not isinstance(call.get("arguments"), str):
+            return None, f"malformed tool call {index}: its arguments are not a JSON string"
+        try:
+            decoded.append({call["name"]: json.loads(call["arguments"])})
+        except json.JSONDecodeError as exc:
+            return None, str(exc)
+        except RecursionError:
+            return None, f"malformed tool call {index}: its arguments are nested too deeply"
+    return decoded, ""

@@ -207,11 +207,18 @@ def describe(outcome: RunOutcome, config: SandboxConfig) -> str:
         "nproc": config.max_processes,
     }
     output = outcome.output
-    if outcome.timed_out:
+    left = _left_running(outcome)
+    if outcome.timed_out and config.isolation == "bwrap":
         reason = (
             f"timed out after {config.timeout_s:g} s (wall clock): it and every process it "
             "started were killed"
         )
+    elif outcome.timed_out:  # the plain subprocess: what left its group is found by its mark
+        reason = (
+            f"timed out after {config.timeout_s:g} s (wall clock): its process group was "
+            f"killed{'; ' + left if left else ''}"
+        )
+        left = ""
     elif outcome.output_exceeded:
         reason = (
             f"its output passed {config.max_output_bytes} bytes: it was killed; the first "
@@ -225,5 +232,17 @@ def describe(outcome: RunOutcome, config: SandboxConfig) -> str:
         also = f" ({'; '.join(hints).format(**values)})" if hints else ""
         reason = f"exit status {outcome.exit_code}{also}"
     else:
-        return output
+        return f"{output}[sandbox: {left}]\n" if left else output
+    if left:
+        reason += f" ({left})"
     raise SandboxRunError(f"{reason}\n{output}" if output else reason)
+
+
+def _left_running(outcome: RunOutcome) -> str:
+    """What ``unsafe_subprocess`` found still running of the run once it ended, and did."""
+    said = []
+    for pids, done in ((outcome.left.killed, "killed"), (outcome.left.survived, "could not kill")):
+        if pids:
+            shown = ", ".join(map(str, pids[:5])) + (" ..." if len(pids) > 5 else "")
+            said.append(f"{done} {len(pids)} process(es) it left running (pid {shown})")
+    return "; ".join(said)

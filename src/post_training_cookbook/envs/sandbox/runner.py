@@ -32,9 +32,10 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from post_training_cookbook.envs.process_marks import Killed, kill_marked, new_mark
 from post_training_cookbook.envs.sandbox.config import (
     SANDBOX_HOME,
     SandboxConfig,
@@ -44,6 +45,10 @@ from post_training_cookbook.envs.sandbox.seccomp import filter_fd
 
 log = logging.getLogger(__name__)
 NOBODY = 65534
+RUN_MARK = "POST_TRAINING_COOKBOOK_SANDBOX_RUN"
+"""``unsafe_subprocess``: in the program's environment, its run's mark, which every process
+it starts inherits (unless it clears its environment): how the runner finds the ones that
+left its process group."""
 KILL_GRACE_S = 5.0
 """How long a killed tree gets to be reaped before the runner stops waiting for it."""
 
@@ -99,6 +104,9 @@ class RunOutcome:
     signal_name: str | None  # the signal that ended the program, when one did
     timed_out: bool
     output_exceeded: bool
+    left: Killed = field(default_factory=Killed)
+    """``unsafe_subprocess``: the processes the run left running once it ended (out of its
+    process group, a ``setsid`` daemon, or in it), killed or not killable."""
 
 
 def find_bwrap(explicit: str | None) -> str | None:
@@ -232,7 +240,8 @@ async def run_isolated(
         environment = {"PATH": "/usr/bin:/bin"}
     else:
         argv, cwd = launcher_argv(config, program, as_init=False), str(scratch)
-        environment = {**sandbox_environment(config), "HOME": str(scratch)}
+        mark = new_mark()  # what the program starts inherits it, in its group or out of it
+        environment = {**sandbox_environment(config), "HOME": str(scratch), RUN_MARK: mark}
     nobody = NOBODY if drops_to_nobody() else None
     try:
         process = await asyncio.create_subprocess_exec(
@@ -278,6 +287,11 @@ async def run_isolated(
     finally:
         if process.returncode is None or output_exceeded or timed_out:
             _kill_tree(process.pid, through_bwrap=bwrap is not None)
+        # bwrap's PID namespace ends with its init; what a plain subprocess started out of
+        # its group (a setsid daemon, holding the output or not) is found by the mark
+        left = Killed()
+        if bwrap is None:
+            left = await asyncio.to_thread(kill_marked, RUN_MARK, mark)
         await _reap(process)
     code = process.returncode
     killed_by_us = output_exceeded or timed_out
@@ -287,6 +301,7 @@ async def run_isolated(
         signal_name=None if killed_by_us else _ending_signal(code, bwrap is not None),
         timed_out=timed_out,
         output_exceeded=output_exceeded,
+        left=left,
     )
 
 
