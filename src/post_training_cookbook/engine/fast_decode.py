@@ -19,7 +19,9 @@ layer; this step runs the same arithmetic straight over the engine's KV buffers:
   norms or activation are not the standard RMSNorm and SiLU keep the modules' own code and
   use the kernels' attention only.
 
-Prefill (many tokens per row) stays on the model's own forward.
+Prefill (many tokens per row) stays on the model's own forward, and so does every step of a
+hybrid model (Qwen3.5/3.6: Gated DeltaNet layers beside full attention, ``recurrent.py``):
+this step is for dense models only, and ``for_model`` declines any other.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from post_training_cookbook.engine.kv import KVBatch, grouped_attention
 from post_training_cookbook.engine.native import NativeKernels, native_kernels
+from post_training_cookbook.engine.recurrent import FULL_ATTENTION, layer_types
 
 # Mistral is left out: its sliding window would need a banded mask here.
 _FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
@@ -72,6 +75,8 @@ class FusedDecodeStep:
         ``native``: use the native kernels on CPU when they can be built."""
         if getattr(model.config, "model_type", None) not in _FAMILIES:
             return None
+        if set(layer_types(model)) != {FULL_ATTENTION}:
+            return None  # dense only: a hybrid's linear-attention layers run the model's forward
         inner: Any = getattr(model, "model", None)
         parts = ("layers", "embed_tokens", "rotary_emb", "norm")
         if not hasattr(model, "lm_head") or not all(hasattr(inner, part) for part in parts):
