@@ -63,7 +63,8 @@ def tiny_hybrid_model(vocab_size: int, moe: bool, **special: Any) -> torch.nn.Mo
 
 def build_tiny_hybrid(folder: Path, tokenizer_dir: Path | None = None, *, moe: bool) -> Path:
     """A random tiny hybrid saved in ``folder``; with ``tokenizer_dir``, its tokenizer too
-    (the vocabulary then fits it), else a vocabulary of 128 ids."""
+    (the vocabulary then fits it) and weights that end a turn early (``ending_turns``),
+    else a vocabulary of 128 ids."""
     folder.mkdir(parents=True, exist_ok=True)
     if tokenizer_dir is None:
         tiny_hybrid_model(128, moe).save_pretrained(folder)
@@ -74,6 +75,22 @@ def build_tiny_hybrid(folder: Path, tokenizer_dir: Path | None = None, *, moe: b
         "bos_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
+        "tie_word_embeddings": False,
     }
-    tiny_hybrid_model(len(tokenizer), moe, **special).save_pretrained(folder)
+    model = tiny_hybrid_model(len(tokenizer), moe, **special)
+    ending_turns(model, tokenizer.eos_token_id)
+    model.save_pretrained(folder)
     return folder
+
+
+def ending_turns(model: torch.nn.Module, eos: int, logit: float = 5.0) -> None:
+    """Make ``eos`` about ``logit`` more likely than other tokens after any context, so that
+    a random model's turns end after a few tokens (p(eos) ~ 0.2 over 600 ids) instead of at
+    the token limit: every input embedding carries 1.0 in hidden dimension 0, which the
+    final norm scales to ~sqrt(hidden), and only ``eos``'s output row reads it."""
+    hidden = model.config.hidden_size
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 1.0
+        head = model.get_output_embeddings().weight
+        head[:, 0] = 0.0
+        head[eos, 0] = logit / hidden**0.5

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from post_training_cookbook.batching import length_groups
+from post_training_cookbook.engine import gated_delta
 from post_training_cookbook.engine.fast_decode import FusedDecodeStep
 from post_training_cookbook.engine.heap import return_freed_memory
 from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
@@ -177,6 +178,8 @@ class Decoder:
         # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py:
         # dense Llama-family models only; a hybrid model always runs its own forward).
         self.fused = None if self.hybrid else FusedDecodeStep.for_model(model, native_kernels)
+        if self.hybrid:
+            gated_delta.install(model)  # its linear-attention layers' own decode step
         self.prefix_cache = PrefixCache(
             prefix_cache_size, prefix_cache_bytes, whole_entries=self.hybrid
         )

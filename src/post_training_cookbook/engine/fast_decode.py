@@ -57,8 +57,10 @@ class FusedDecodeStep:
         first = self.layers[0].self_attn
         self.head_dim: int = first.head_dim
         self.scaling: float = first.scaling
-        self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
-        self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
+        self.qkv = [
+            fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers
+        ]
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
         self.eps = float(getattr(config, "rms_norm_eps", 0.0))
         self.pack = kernels is not None and _can_pack(model)
         # decode_step.cpp's per-layer weights (see its Slot enum), or None if it can't run this
@@ -243,7 +245,7 @@ def _linear(module: Any, name: str) -> torch.nn.Linear:
     return linear
 
 
-def _fuse(module: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(module: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the named linears' weights (and biases) and make each linear's parameters
     views into the result, so later in-place weight copies reach the fused tensors."""
     linears = [_linear(module, name) for name in names]
