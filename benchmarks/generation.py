@@ -6,13 +6,19 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
     OMP_NUM_THREADS=2 python benchmarks/generation.py                 # the bundled model
     python benchmarks/generation.py --engine-threads 1                # LocalEngine on 1 thread
     python benchmarks/generation.py --model random-qwen2              # random ~2.9M Qwen2
+    python benchmarks/generation.py --model random-qwen3.5            # a random hybrid
     python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
 
 LocalEngine decodes with its native CPU kernels (``engine/native``, built on first use);
 ``--torch-ops-row`` adds a row with them off, for the comparison in one run.
 ``--model`` takes a catalog id (default: the bundled 4.5M Llama,
 ``post-training-cookbook/tool-use-tiny``), a local Hugging Face folder, or ``random-qwen2``
-(a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers).
+(a random-initialised Qwen2: vocab 2048, hidden 256, 4 layers), ``random-qwen3.5`` or
+``random-qwen3.5-moe`` (random hybrids of Qwen3.5/3.6's architecture: vocab 2048, hidden 256,
+8 layers, Gated DeltaNet layers 3 to 1 beside full attention as in Qwen3.6-35B-A3B; the MoE
+one routes over 8 experts, 2 per token, beside a shared expert). A hybrid's decode steps run
+the model's forward with the engine's Gated DeltaNet step (``engine/gated_delta.py``), not
+the fused dense step, so the native-kernel rows do not apply to it.
 Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.
 Timings are the best of ``--repeats`` runs after one warm-up; other processes on the
 machine skew them, so the load average is printed next to the table (on the shared 2-core
@@ -45,6 +51,7 @@ from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.models.loading import load_model
 
 RANDOM_QWEN2 = "random-qwen2"
+RANDOM_HYBRIDS = ("random-qwen3.5", "random-qwen3.5-moe")
 
 VLLM_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -77,10 +84,31 @@ def random_qwen2() -> transformers.PreTrainedModel:
     return transformers.Qwen2ForCausalLM(config).eval()
 
 
+def random_hybrid(moe: bool) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    shared = dict(
+        vocab_size=2048, hidden_size=256, num_hidden_layers=8,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, tie_word_embeddings=True,
+        max_position_embeddings=2048,
+    )  # fmt: skip
+    if moe:
+        config = transformers.Qwen3_5MoeTextConfig(
+            moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=8,
+            num_experts_per_tok=2, **shared,
+        )  # fmt: skip
+        return transformers.Qwen3_5MoeForCausalLM(config).eval()
+    config = transformers.Qwen3_5TextConfig(intermediate_size=512, **shared)
+    return transformers.Qwen3_5ForCausalLM(config).eval()
+
+
 def load_base(model: str) -> transformers.PreTrainedModel:
     """The model to benchmark, in float32 (each engine casts its own copy)."""
     if model == RANDOM_QWEN2:
         return random_qwen2()
+    if model in RANDOM_HYBRIDS:
+        return random_hybrid(moe=model.endswith("moe"))
     return load_model(resolve_model(model), dtype=torch.float32).eval()
 
 
@@ -168,7 +196,8 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default=BUNDLED_MODEL_ID,
-        help=f"catalog id, local Hugging Face folder, or {RANDOM_QWEN2!r} (default: %(default)s)",
+        help=f"catalog id, local Hugging Face folder, {RANDOM_QWEN2!r} or one of {RANDOM_HYBRIDS} "
+        "(default: %(default)s)",
     )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)

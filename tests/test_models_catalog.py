@@ -3,12 +3,14 @@
 import re
 
 import pytest
+from hybrid_common import build_tiny_hybrid
 from test_eval_common import DAMAGED_MODEL_FOLDERS, cut_in_half, damaged_model_folder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from post_training_cookbook.models import (
     BUNDLED_MODEL_ID,
     check_codec_options,
+    default_engine,
     list_models,
     require_engine_support,
     require_generator_support,
@@ -70,13 +72,24 @@ def test_the_catalog_knows_the_hosted_guides_models_and_todays_families(model, c
     assert check_codec_options(info, {}) == {}
 
 
-def test_the_hosted_guides_hybrid_attention_models_sample_through_vllm_only():
+def test_the_hosted_guides_hybrid_models_default_to_vllm_on_a_gpu_and_torch_on_a_cpu():
     for model in HOSTED_GUIDE_MODELS:
         info = resolve_model(model)
-        assert info.max_context == 262144 and info.engines == ("vllm",)
+        assert info.max_context == 262144 and info.linear_attention
         require_engine_support(info, "vllm")
-        with pytest.raises(ValueError, match=rf"{model}.*generation_engine='torch'"):
-            require_engine_support(info, "torch")
+        require_engine_support(info, "torch")
+        assert default_engine(info, on_gpu=True) == "vllm"
+        assert default_engine(info, on_gpu=False) == "torch"
+    dense = resolve_model("Qwen/Qwen3-8B")
+    assert not dense.linear_attention
+    assert default_engine(dense, on_gpu=True) == default_engine(dense, on_gpu=False) == "torch"
+
+
+def test_a_local_folder_of_a_hybrid_model_is_known_as_one_from_its_config(tmp_path):
+    folder = build_tiny_hybrid(tmp_path / "hybrid", moe=True)
+    info = resolve_model(str(folder), codec="hermes")
+    assert info.linear_attention and info.engines == ("vllm", "torch")
+    assert default_engine(info, on_gpu=False) == "torch"
 
 
 @pytest.mark.parametrize("model", HOSTED_GUIDE_MODELS)

@@ -2,7 +2,12 @@
 
 Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
 and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``. The module is one class
-over that invariant (under 500 lines), which is why it is not split.
+over that invariant (about 540 lines), which is why it is not split.
+
+Hybrid models (Gated DeltaNet layers beside full attention, ``recurrent.py``) run through the
+same steps: the batch carries each row's recurrent state beside its KV, the prefix cache
+keeps the state at each entry's end and reuses entries only whole, and a row that continues a
+cached state is prefilled only beside rows of its own length (padding would decay the state).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import asyncio
 import contextlib
 import inspect
 import itertools
+from collections import defaultdict
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -19,10 +25,20 @@ import numpy as np
 import torch
 
 from post_training_cookbook.batching import length_groups
+from post_training_cookbook.engine import gated_delta
 from post_training_cookbook.engine.fast_decode import FusedDecodeStep
 from post_training_cookbook.engine.heap import return_freed_memory
 from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
 from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry
+from post_training_cookbook.engine.recurrent import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    RecurrentStates,
+    RowState,
+    check_supported_layers,
+    layer_types,
+    state_shapes,
+)
 from post_training_cookbook.engine.sampling import sample_tokens
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
 
@@ -130,6 +146,7 @@ class _Prompt:
     samples: list[tuple[Request, int]] = field(default_factory=list)
     reused: int = 0  # leading tokens whose KV comes from the prefix cache
     past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    state: RowState | None = None  # a hybrid model's recurrent state after the reused tokens
 
     @property
     def suffix(self) -> list[int]:
@@ -148,16 +165,24 @@ class Decoder:
         prefix_cache_bytes: int | None = None,
     ) -> None:
         self.model = model
-        config = model.config
+        config = model.config.get_text_config()
         self.num_layers: int = config.num_hidden_layers
+        self.layer_kinds = layer_types(model)
+        self.state_shapes = state_shapes(model) if LINEAR_ATTENTION in self.layer_kinds else {}
+        self.hybrid = bool(self.state_shapes)
         self.max_positions: int | None = getattr(config, "max_position_embeddings", None)
         self.dtype: torch.dtype = next(model.parameters()).dtype
         self.device: torch.device = next(model.parameters()).device
         # logits of the last position only: a prefill need not project every prompt token
         self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
-        # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py).
-        self.fused = FusedDecodeStep.for_model(model, native_kernels)
-        self.prefix_cache = PrefixCache(prefix_cache_size, prefix_cache_bytes)
+        # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py:
+        # dense Llama-family models only; a hybrid model always runs its own forward).
+        self.fused = None if self.hybrid else FusedDecodeStep.for_model(model, native_kernels)
+        if self.hybrid:
+            gated_delta.install(model)  # its linear-attention layers' own decode step
+        self.prefix_cache = PrefixCache(
+            prefix_cache_size, prefix_cache_bytes, whole_entries=self.hybrid
+        )
         self.rng = torch.Generator()
         self.rng.seed()  # unseeded requests draw from here
         self.version = version
@@ -169,8 +194,11 @@ class Decoder:
         """Drop every live row (after an error or at close); returns their requests."""
         requests = list({id(row.request): row.request for row in self.rows}.values())
         self.rows = []
-        self.batch = KVBatch(self.num_layers, self.dtype, self.device)
-        self.cache = WindowCache(self.batch, self.num_layers)
+        states = None
+        if self.hybrid:
+            states = RecurrentStates(self.state_shapes, self.dtype, self.device)
+        self.batch = KVBatch(self.num_layers, self.dtype, self.device, states)
+        self.cache = WindowCache(self.batch, self.layer_kinds)
         return requests
 
     def release_memory(self) -> None:
@@ -205,8 +233,21 @@ class Decoder:
         if self._cache_shared_prefixes(prompts):
             for prompt in prompts:
                 self._lookup(prompt)
-        for group in length_groups([len(prompt.suffix) for prompt in prompts]):
-            self._prefill([prompts[index] for index in group])
+        for group in self._prefill_groups(prompts):
+            self._prefill(group)
+
+    def _prefill_groups(self, prompts: list[_Prompt]) -> list[list[_Prompt]]:
+        """The prefill's forwards: groups of similar suffix lengths; for a hybrid model, a
+        prompt that continues a cached recurrent state only with prompts of its own suffix
+        length (its left padding would decay that state; recurrent.py)."""
+        continued: dict[int, list[_Prompt]] = defaultdict(list)
+        if self.hybrid:
+            for prompt in prompts:
+                if prompt.state is not None:
+                    continued[len(prompt.suffix)].append(prompt)
+            prompts = [prompt for prompt in prompts if prompt.state is None]
+        groups = length_groups([len(prompt.suffix) for prompt in prompts])
+        return [[prompts[index] for index in group] for group in groups] + list(continued.values())
 
     def _cache_shared_prefixes(self, prompts: list[_Prompt]) -> bool:
         """Prefill once, into the prefix cache, each long prefix that several distinct
@@ -260,7 +301,8 @@ class Decoder:
         self.stats.prefill_tokens_computed += width
         self.stats.prefill_tokens_reused += prompt.reused
         keys, values = self.batch.row_kv(row)
-        self.prefix_cache.insert(PrefixEntry(np.asarray(tokens), keys, values, self.version))
+        state = self.batch.row_state(row)
+        self.prefix_cache.insert(PrefixEntry(np.asarray(tokens), keys, values, self.version, state))
         self.batch.remove_rows([row])
 
     def _prefill(self, prompts: list[_Prompt]) -> None:
@@ -302,12 +344,13 @@ class Decoder:
         entry = found[0]
         prompt.reused = length
         prompt.past = [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values]
+        prompt.state = entry.state  # whole entries only, so the state is at ``length``
 
     def _place(self, row: int, prompt: _Prompt, end: int, width: int) -> None:
         """Lay a prompt out in ``row``: cached KV ends where the suffix block (``width``
         columns before ``end``) starts; the suffix is right-aligned in that block."""
         if prompt.past is not None:
-            self.batch.write_prefix(row, *prompt.past, end=end - width)
+            self.batch.write_prefix(row, *prompt.past, end=end - width, state=prompt.state)
         self.batch.valid[row, end - len(prompt.suffix) : end] = True
         self.batch.positions[row] = len(prompt.tokens)
 
@@ -376,9 +419,16 @@ class Decoder:
         queries = input_ids.shape[1]
         start = self.batch.first_col(rows)
         self.cache.set_window(rows, start, end, queries)
+        mask: torch.Tensor | dict[str, torch.Tensor | None]
+        mask = self.batch.attention_bias(rows, start, end, queries)
+        if self.hybrid:
+            # Linear-attention layers take the 2-D mask of the new tokens (they zero padded
+            # inputs; a decode step has none); the model uses a dict of masks as given.
+            padding = self.batch.valid[rows, end - queries : end] if queries > 1 else None
+            mask = {FULL_ATTENTION: mask, LINEAR_ATTENTION: padding}
         output = self.model(
             input_ids=input_ids,
-            attention_mask=self.batch.attention_bias(rows, start, end, queries),
+            attention_mask=mask,
             position_ids=position_ids,
             past_key_values=self.cache,
             use_cache=True,
@@ -417,8 +467,9 @@ class Decoder:
         if self.prefix_cache.max_entries == 0 or row.segments != [PolicySegment(0, self.version)]:
             return
         keys, values = self.batch.row_kv(index)
+        state = self.batch.row_state(index)  # after the same tokens as the KV
         tokens = np.asarray(row.request.prompt + row.tokens[:-1])  # the last token was never fed
-        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version))
+        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version, state))
 
     def _remove(self, indices: list[int]) -> None:
         for source, target in self.batch.remove_rows(indices):
@@ -434,9 +485,7 @@ def inference_copy(
     engine_model: Any = deepcopy(model) if copy else model
     if hasattr(engine_model, "merge_and_unload"):
         engine_model = engine_model.merge_and_unload()
-    layer_types = getattr(engine_model.config, "layer_types", None) or []
-    if any(kind != "full_attention" for kind in layer_types):
-        raise ValueError(f"LocalEngine supports full-attention layers only, got {set(layer_types)}")
+    check_supported_layers(engine_model)
     # Rotary frequencies stay float32: in bf16 they lose far positions.
     frequencies = {
         name: buf for name, buf in engine_model.named_buffers() if name.endswith("inv_freq")

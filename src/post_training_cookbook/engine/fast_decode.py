@@ -19,7 +19,9 @@ layer; this step runs the same arithmetic straight over the engine's KV buffers:
   norms or activation are not the standard RMSNorm and SiLU keep the modules' own code and
   use the kernels' attention only.
 
-Prefill (many tokens per row) stays on the model's own forward.
+Prefill (many tokens per row) stays on the model's own forward, and so does every step of a
+hybrid model (Qwen3.5/3.6: Gated DeltaNet layers beside full attention, ``recurrent.py``):
+this step is for dense models only, and ``for_model`` declines any other.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 
 from post_training_cookbook.engine.kv import KVBatch, grouped_attention
 from post_training_cookbook.engine.native import NativeKernels, native_kernels
+from post_training_cookbook.engine.recurrent import FULL_ATTENTION, layer_types
 
 # Mistral is left out: its sliding window would need a banded mask here.
 _FAMILIES = frozenset({"llama", "qwen2", "qwen3"})
@@ -54,8 +57,10 @@ class FusedDecodeStep:
         first = self.layers[0].self_attn
         self.head_dim: int = first.head_dim
         self.scaling: float = first.scaling
-        self.qkv = [_fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers]
-        self.gate_up = [_fuse(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
+        self.qkv = [
+            fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj")) for layer in self.layers
+        ]
+        self.gate_up = [fuse_linears(layer.mlp, ("gate_proj", "up_proj")) for layer in self.layers]
         self.eps = float(getattr(config, "rms_norm_eps", 0.0))
         self.pack = kernels is not None and _can_pack(model)
         # decode_step.cpp's per-layer weights (see its Slot enum), or None if it can't run this
@@ -72,6 +77,8 @@ class FusedDecodeStep:
         ``native``: use the native kernels on CPU when they can be built."""
         if getattr(model.config, "model_type", None) not in _FAMILIES:
             return None
+        if set(layer_types(model)) != {FULL_ATTENTION}:
+            return None  # dense only: a hybrid's linear-attention layers run the model's forward
         inner: Any = getattr(model, "model", None)
         parts = ("layers", "embed_tokens", "rotary_emb", "norm")
         if not hasattr(model, "lm_head") or not all(hasattr(inner, part) for part in parts):
@@ -238,7 +245,7 @@ def _linear(module: Any, name: str) -> torch.nn.Linear:
     return linear
 
 
-def _fuse(module: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(module: Any, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenate the named linears' weights (and biases) and make each linear's parameters
     views into the result, so later in-place weight copies reach the fused tensors."""
     linears = [_linear(module, name) for name in names]

@@ -8,6 +8,9 @@ Face's ``DynamicCache`` concatenates, i.e. copies the whole cache, every step). 
 tokens sit at increasing columns, left-padded, with holes where a batched prefill padded
 its prompt; ``valid`` marks the columns that hold a token, and positions are explicit per
 row, so the column a token sits in never changes what the model computes.
+
+A hybrid model's linear-attention layers keep no KV: their per-row state lives in
+``RecurrentStates`` (``recurrent.py``), which the batch moves with its rows.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from post_training_cookbook.engine.recurrent import (
+    LINEAR_ATTENTION,
+    RecurrentStates,
+    RowState,
+    StateLayer,
+)
 
 ATTENTION_NAME = "post_training_cookbook_engine"
 
@@ -75,13 +85,24 @@ def _capacity(current: int, needed: int, minimum: int) -> int:
 
 
 class KVBatch:
-    """Keys, values, valid columns, positions and next input token of the live rows."""
+    """Keys, values, valid columns, positions and next input token of the live rows (and,
+    for a hybrid model, their recurrent states)."""
 
-    def __init__(self, num_layers: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        states: RecurrentStates | None = None,
+    ) -> None:
         self.dtype, self.device = dtype, device
         # Allocated on first write, when the model shows its KV head count and head size.
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.states = states
+        """Linear-attention layers' per-row state; their slots in keys/values stay None."""
+        linear = set(states.layers) if states is not None else set()
+        self.kv_layers = [layer for layer in range(num_layers) if layer not in linear]
         self.rows = 0
         self.cols = 0
         self.valid = torch.zeros(0, 0, dtype=torch.bool, device=device)
@@ -134,6 +155,8 @@ class KVBatch:
         self.valid = valid
         self.positions = _resized(self.positions, row_capacity, rows)
         self.next_tokens = _resized(self.next_tokens, row_capacity, rows)
+        if self.states is not None:
+            self.states.resize(row_capacity, rows)
         self.cols = offset + used
 
     def add_rows(self, count: int) -> int:
@@ -141,6 +164,8 @@ class KVBatch:
         first = self.rows
         self.rows += count
         self.valid[first : self.rows] = False
+        if self.states is not None:
+            self.states.clear_rows(slice(first, self.rows))
         return first
 
     def remove_rows(self, dead: list[int]) -> list[tuple[int, int]]:
@@ -166,6 +191,8 @@ class KVBatch:
         self.valid[targets] = self.valid[sources]
         self.positions[targets] = self.positions[sources]
         self.next_tokens[targets] = self.next_tokens[sources]
+        if self.states is not None:
+            self.states.copy_rows(sources, targets)
 
     def write(
         self, layer: int, rows: slice, cols: slice, keys: torch.Tensor, values: torch.Tensor
@@ -188,26 +215,37 @@ class KVBatch:
         return keys, self._buffer(self.values, layer)[rows, :, lo:hi]
 
     def write_prefix(
-        self, row: int, keys: list[torch.Tensor], values: list[torch.Tensor], end: int
+        self,
+        row: int,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        end: int,
+        state: RowState | None = None,
     ) -> None:
-        """Put cached per-layer ``[kv_heads, length, head_dim]`` KV in the columns before end."""
+        """Put cached ``[kv_heads, length, head_dim]`` KV (one per ``kv_layers`` entry) in the
+        columns before end, and a hybrid model's recurrent ``state`` after those tokens."""
         length = keys[0].shape[1]
         cols = slice(end - length, end)
-        for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+        for layer, k, v in zip(self.kv_layers, keys, values, strict=True):
             self.write(layer, slice(row, row + 1), cols, k[None], v[None])
         self.valid[row, cols] = True
+        if state is not None:
+            assert self.states is not None
+            self.states.write_row(row, state)
 
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A copy of one row's KV, valid columns only: ``[kv_heads, tokens, head_dim]`` a layer."""
+        """A copy of one row's KV, valid columns only: ``[kv_heads, tokens, head_dim]`` for
+        each of ``kv_layers``."""
         mask = self.valid[row, : self.cols]
-        keys = [
-            self._buffer(self.keys, i)[row, :, : self.cols][:, mask] for i in range(len(self.keys))
-        ]
+        keys = [self._buffer(self.keys, i)[row, :, : self.cols][:, mask] for i in self.kv_layers]
         values = [
-            self._buffer(self.values, i)[row, :, : self.cols][:, mask]
-            for i in range(len(self.values))
+            self._buffer(self.values, i)[row, :, : self.cols][:, mask] for i in self.kv_layers
         ]
         return keys, values
+
+    def row_state(self, row: int) -> RowState | None:
+        """A copy of one row's recurrent state (None for a model without linear attention)."""
+        return self.states.row_state(row) if self.states is not None else None
 
     def attention_bias(self, rows: slice, lo: int, hi: int, queries: int) -> torch.Tensor:
         """Additive mask ``[rows, 1, queries, hi - lo]``: 0 where a query may look, min elsewhere.
@@ -239,15 +277,23 @@ def _resized(tensor: torch.Tensor, capacity: int, keep: int) -> torch.Tensor:
 
 class WindowCache(Cache):
     """``past_key_values`` for one forward: rows ``rows`` of a KVBatch, columns ``[lo, hi)``,
-    the new tokens being written to the last columns of that window."""
+    the new tokens being written to the last columns of that window; a linear-attention
+    layer reads and writes those rows' recurrent states instead."""
 
-    def __init__(self, batch: KVBatch, num_layers: int) -> None:
-        super().__init__(layers=[_WindowLayer(self, i) for i in range(num_layers)])
+    def __init__(self, batch: KVBatch, kinds: list[str]) -> None:
+        layers: list[Any] = [
+            StateLayer(self, i) if kind == LINEAR_ATTENTION else _WindowLayer(self, i)
+            for i, kind in enumerate(kinds)
+        ]
+        super().__init__(layers=layers)
         self.batch = batch
         self.rows, self.lo, self.hi, self.past = slice(0, 0), 0, 0, 0
 
     def set_window(self, rows: slice, lo: int, hi: int, queries: int) -> None:
         self.rows, self.lo, self.hi, self.past = rows, lo, hi, hi - queries - lo
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.past  # layer 0 of a hybrid model holds no KV to count
 
 
 class _WindowLayer(DynamicLayer):

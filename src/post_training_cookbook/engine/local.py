@@ -28,7 +28,10 @@ first time a process needs them, ~30 s once per machine, then cached), which lea
 weight matmuls to torch (oneDNN, with packed weights) and runs norms, rotary embedding, KV
 writes, attention and the activation as plain loops. Without a compiler, or with
 ``native_kernels=False``, the step runs the same arithmetic as torch ops. Other
-architectures, and every prefill, run the model's own forward. ``benchmarks/generation.py``
+architectures, and every prefill, run the model's own forward; so do hybrid models (Qwen3.5,
+Qwen3.6: Gated DeltaNet layers beside full attention), whose linear-attention layers decode
+with the engine's own single-token step (``gated_delta.py``) over each sequence's recurrent
+state (``recurrent.py``). ``benchmarks/generation.py``
 measures the engine against ``generate``; docs/performance.md has the numbers.
 
 Threads. On CPU the worker computes with ``num_threads`` intra-op threads (None: torch's
@@ -43,7 +46,9 @@ count applies to the worker thread only; the caller's stays as it was.
 
 Prefix reuse. When a sequence finishes, its KV (prompt + tokens but the last) goes to an
 LRU cache tagged with the weights version; a later prompt sharing a prefix with an entry of
-the current version prefills only the rest. ``stats()`` counts computed and reused tokens.
+the current version prefills only the rest. A hybrid model's entry also keeps the recurrent
+state after its tokens, and is reused only by prompts that extend all of them
+(``prefix_cache.py``). ``stats()`` counts computed and reused tokens.
 
 Weights. ``update_weights`` copies the given tensors at call time (the trainer may go on
 training) and returns; the worker applies them. ``"pipeline"``: between two decode steps;

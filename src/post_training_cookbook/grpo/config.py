@@ -333,7 +333,9 @@ class GRPOConfig:
     )
     """The generators' sampling engine: ``"torch"`` (``LocalEngine``), ``"vllm"`` (extra
     ``scale``; with ``backend="local"`` one engine beside the trainer), or ``"auto"``: the
-    catalog's first engine for the model (torch where it can sample it, else vLLM)."""
+    catalog's first engine for the model, the torch engine for generators without a GPU
+    (``models.default_engine``): torch for dense models, and for hybrid ones (Qwen3.5 and
+    later) vLLM on a GPU, torch on a CPU."""
     prefix_cache_bytes: int | None = setting(None, at_least(0, or_none=True), torch_engine_only)
     """Bytes of KV each torch generator keeps in its prefix cache (finished sequences whose
     prefix a later prompt reuses), least recently used first out. None: a share of the

