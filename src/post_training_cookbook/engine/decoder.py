@@ -23,8 +23,10 @@ from post_training_cookbook.engine.fast_decode import FusedDecodeStep
 from post_training_cookbook.engine.heap import return_freed_memory
 from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
 from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry
+from post_training_cookbook.engine.router_replay import RouteRecorder, RowRoutes
 from post_training_cookbook.engine.sampling import sample_tokens
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
+from post_training_cookbook.models.moe_routing import RoutedExperts
 
 StopReason = Literal["stop", "length"]
 _UNIFORM_CHUNK = 64
@@ -98,6 +100,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     uniforms: list[float] = field(default_factory=list)
+    routes: RowRoutes | None = None  # router replay: the experts each token went to
 
     def next_uniform(self) -> float:
         # Drawn in chunks: cheap per token, bounded memory, and still a function of the seed only.
@@ -118,8 +121,11 @@ class _Row:
         else:
             self.segments.append(PolicySegment(start, version))
 
-    def to_sequence(self, reason: StopReason) -> SampledSequence:
-        return SampledSequence(self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs)
+    def to_sequence(self, reason: StopReason, recorder: RouteRecorder | None) -> SampledSequence:
+        routes = None if self.routes is None or recorder is None else self.routes.sequence(recorder)
+        return SampledSequence(
+            self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs, routes
+        )
 
 
 @dataclass(eq=False)
@@ -130,6 +136,7 @@ class _Prompt:
     samples: list[tuple[Request, int]] = field(default_factory=list)
     reused: int = 0  # leading tokens whose KV comes from the prefix cache
     past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    routes: RoutedExperts | None = None  # router replay: the cached part's, then the whole's
 
     @property
     def suffix(self) -> list[int]:
@@ -146,6 +153,7 @@ class Decoder:
         version: int = 0,
         native_kernels: bool = True,
         prefix_cache_bytes: int | None = None,
+        record_routes: bool = False,
     ) -> None:
         self.model = model
         config = model.config
@@ -155,8 +163,11 @@ class Decoder:
         self.device: torch.device = next(model.parameters()).device
         # logits of the last position only: a prefill need not project every prompt token
         self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
-        # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py).
-        self.fused = FusedDecodeStep.for_model(model, native_kernels)
+        # Router replay: the experts each token went to (engine/router_replay.py). Decode
+        # steps skip HF's generic forward where the architecture allows (fast_decode.py):
+        # dense models only, none with routers to record.
+        self.routes = RouteRecorder(model) if record_routes else None
+        self.fused = None if record_routes else FusedDecodeStep.for_model(model, native_kernels)
         self.prefix_cache = PrefixCache(prefix_cache_size, prefix_cache_bytes)
         self.rng = torch.Generator()
         self.rng.seed()  # unseeded requests draw from here
@@ -256,11 +267,13 @@ class Decoder:
         self._forward(
             rows, end, _long([prompt.suffix], self.device), _long([positions], self.device)
         )
+        self._record_prompt_routes([prompt], width)
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens_computed += width
         self.stats.prefill_tokens_reused += prompt.reused
         keys, values = self.batch.row_kv(row)
-        self.prefix_cache.insert(PrefixEntry(np.asarray(tokens), keys, values, self.version))
+        entry = PrefixEntry(np.asarray(tokens), keys, values, self.version, prompt.routes)
+        self.prefix_cache.insert(entry)
         self.batch.remove_rows([row])
 
     def _prefill(self, prompts: list[_Prompt]) -> None:
@@ -278,6 +291,7 @@ class Decoder:
             positions.append(pad + list(range(prompt.reused, len(prompt.tokens))))
         rows = slice(first, first + len(prompts))
         logits = self._forward(rows, end, _long(ids, self.device), _long(positions, self.device))
+        self._record_prompt_routes(prompts, width)
         self._count_prefill(prompts)
         self._fan_out(first, prompts, logits)
 
@@ -302,6 +316,7 @@ class Decoder:
         entry = found[0]
         prompt.reused = length
         prompt.past = [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values]
+        prompt.routes = None if entry.routes is None else entry.routes[:length]
 
     def _place(self, row: int, prompt: _Prompt, end: int, width: int) -> None:
         """Lay a prompt out in ``row``: cached KV ends where the suffix block (``width``
@@ -310,6 +325,19 @@ class Decoder:
             self.batch.write_prefix(row, *prompt.past, end=end - width)
         self.batch.valid[row, end - len(prompt.suffix) : end] = True
         self.batch.positions[row] = len(prompt.tokens)
+
+    def _record_prompt_routes(self, prompts: list[_Prompt], width: int) -> None:
+        """Router replay: each prompt's record, its cached part's and then what the prefill's
+        forward (``width`` right-aligned columns a row) chose for its suffix."""
+        if self.routes is None:
+            return
+        taken = self.routes.take(len(prompts), width)
+        for prompt, chosen in zip(prompts, taken, strict=True):
+            cached = prompt.routes
+            if cached is None:
+                cached = self.routes.unrecorded(prompt.reused)
+            suffix = chosen[width - len(prompt.suffix) :]
+            prompt.routes = np.concatenate([cached[: prompt.reused], suffix])
 
     def _count_prefill(self, prompts: list[_Prompt]) -> None:
         stats = self.stats
@@ -329,6 +357,13 @@ class Decoder:
             order = list(range(len(prompts))) + [source - first for source in sources]
             logits = logits[torch.tensor(order, device=logits.device)]
         self.rows.extend(self._new_row(request, index) for request, index in samples)
+        if self.routes is not None:
+            owners = prompts + [p for p in prompts for _ in p.samples[1:]]
+            for row, prompt in zip(self.rows[first:], owners, strict=True):
+                recorded = prompt.routes
+                if recorded is None:
+                    recorded = self.routes.unrecorded(len(prompt.tokens))
+                row.routes = RowRoutes(recorded)
         self._sample(slice(first, first + len(samples)), logits)
 
     def _new_row(self, request: Request, index: int) -> _Row:
@@ -362,6 +397,10 @@ class Decoder:
         else:
             ids, positions = batch.next_tokens[rows, None], batch.positions[rows, None]
             logits = self._forward(rows, col + 1, ids, positions)
+        if self.routes is not None:  # the routing of the token each row fed
+            for row, step in zip(self.rows, self.routes.take(batch.rows, 1)[:, 0], strict=True):
+                if row.routes is not None:
+                    row.routes.decoded.append(step)
         batch.cols += 1
         batch.positions[rows] += 1
         self.stats.decode_steps += 1
@@ -409,7 +448,7 @@ class Decoder:
         for index, reason in finished:
             row = self.rows[index]
             self._remember(index, row)
-            row.request.complete(row.index, row.to_sequence(reason))
+            row.request.complete(row.index, row.to_sequence(reason, self.routes))
         self._remove([index for index, _ in finished])
 
     def _remember(self, index: int, row: _Row) -> None:
@@ -418,7 +457,8 @@ class Decoder:
             return
         keys, values = self.batch.row_kv(index)
         tokens = np.asarray(row.request.prompt + row.tokens[:-1])  # the last token was never fed
-        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version))
+        routes = None if row.routes is None else row.routes.fed()
+        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version, routes))
 
     def _remove(self, indices: list[int]) -> None:
         for source, target in self.batch.remove_rows(indices):

@@ -31,10 +31,13 @@ class PrefixEntry:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     version: int
+    routes: np.ndarray | None = None
+    """Router replay: the experts each token went to (``engine/router_replay.py``)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
+        routes = 0 if self.routes is None else self.routes.nbytes
+        return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values) + routes
 
 
 CPU_SHARE = 16

@@ -184,6 +184,7 @@ class RunSettings:
                     packing=config.trainer_packing != "off",
                     shared_prefix=config.trainer_packing == "shared_prefix",
                     seed=config.seed,
+                    router_replay=config.router_replay,
                 ),
                 backend=config.backend,
                 generation_engine=engine,
