@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib
+import itertools
 import types
 
 import numpy as np
@@ -23,8 +24,9 @@ from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTex
 
 from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
-from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.envs import Env, StepResult, Task
 from post_training_cookbook.grpo.advantages import episode_samples
+from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.models import resolve_model
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_ID
@@ -37,6 +39,7 @@ from post_training_cookbook.models.moe_routing import (
 from post_training_cookbook.rollout import Episode
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.types import Message
 
 PROMPTS = [[1, 5, 9, 12, 7, 30], [3, 3, 7], [2, 40, 41, 42, 43, 44, 45]]
 
@@ -110,12 +113,8 @@ def training_samples(sequences: list[SampledSequence], routes: bool = True) -> l
     for prompt, sequence in zip(prompts, sequences, strict=True):
         mask = [0.0] * len(prompt) + [1.0] * len(sequence.tokens)
         logprobs = [0.0] * len(prompt) + sequence.raw_logprobs
-        samples.append(
-            TrainingSample(
-                prompt + sequence.tokens, mask, logprobs, list(mask),
-                routed_experts=sequence.routed_experts if routes else None,
-            )  # fmt: skip
-        )
+        recorded = sequence.routed_experts if routes else None
+        samples.append(TrainingSample(prompt + sequence.tokens, mask, logprobs, mask, recorded))
     return samples
 
 
@@ -196,8 +195,8 @@ def test_the_engine_records_the_experts_its_routers_chose_for_every_token_it_rea
 
 
 def test_an_engine_asked_to_record_a_dense_models_routes_refuses():
-    from post_training_cookbook.models.loading import load_causal_lm
     from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR
+    from post_training_cookbook.models.loading import load_causal_lm
 
     dense = load_causal_lm(BUNDLED_MODEL_DIR, torch.float32)
     with pytest.raises(ValueError, match="router_replay needs a mixture-of-experts model"):
@@ -345,3 +344,80 @@ def test_router_replay_on_a_dense_model_is_refused_before_any_weights_load(tmp_p
     with pytest.raises(ValueError, match="router_replay needs a mixture-of-experts model"):
         grpo_train.train_multi_turn(config, TOOL_USE_GAME_TASKS[:2], lambda task: ToolUseGameEnv())
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- a GRPO run
+
+
+class TwoTurnParityEnv(Env):
+    """Asks again after the first reply (forced tokens between two sampled turns); the second
+    reply's length parity is the reward (variance without a trained model)."""
+
+    async def reset(self, task: Task) -> list[Message]:
+        self._messages = [Message(role="user", content=task.prompt)]
+        return list(self._messages)
+
+    async def step(self, message: Message) -> StepResult:
+        self._messages.append(message)
+        if len(self._messages) < 3:
+            self._messages.append(Message(role="user", content="Once more."))
+            return StepResult(False, False, list(self._messages))
+        reward = float(len(message.get("content") or "") % 2)
+        return StepResult(True, False, list(self._messages), reward=reward)
+
+    @property
+    def tool_specs(self) -> list:
+        return []
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+
+def test_a_grpo_run_carries_each_tokens_experts_from_the_sampler_to_the_trainer(
+    tmp_path, monkeypatch
+):
+    """``GRPOConfig(router_replay=True)`` on a tiny Qwen3-MoE folder: every sample the trainer
+    gets has a record for every token but its last (prompts, both sampled turns and the
+    forced tokens between them, read by the second turn's prefill), and the step logs the
+    disagreement, 0 when the trainer computes in fp32 as the sampler does."""
+    from test_grpo_common import RecordedSamples, build_tiny_model, quick_config, step_metrics
+
+    from post_training_cookbook.grpo.train import train_multi_turn
+    from post_training_cookbook.trainer.precision import bf16_autocast_is_fast
+
+    folder = build_tiny_model(tmp_path / "moe")
+    dense = Qwen3MoeConfig.from_pretrained(folder)  # the Llama's config, read as a Qwen3-MoE's
+    config = Qwen3MoeConfig(
+        vocab_size=dense.vocab_size, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+        max_position_embeddings=2048, bos_token_id=dense.bos_token_id,
+        eos_token_id=dense.eos_token_id, pad_token_id=dense.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        for router in moe_routers(model):
+            router.weight.normal_(0.0, 1.0)
+    (folder / "model.safetensors").unlink()
+    model.save_pretrained(folder)
+    recorded = RecordedSamples(monkeypatch)
+    run_config = quick_config(
+        folder, tmp_path / "runs", router_replay=True, episodes_per_task=4,
+        max_tokens_per_turn=12, dtype="float32", trainer_packing="shared_prefix",
+    )  # fmt: skip
+    tasks = [Task(prompt=f"Say something {i}.", target="") for i in range(4)]
+    run = train_multi_turn(run_config, tasks, lambda task: TwoTurnParityEnv())
+    (batch,) = recorded.batches
+    assert batch
+    for sample in batch:
+        routes = sample.routed_experts
+        assert routes is not None and routes.shape == (len(sample.tokens), 2, 2)
+        assert (routes[:-1] != NOT_RECORDED).all() and (routes[-1] == NOT_RECORDED).all()
+        starts = sum(1 for a, b in itertools.pairwise([0.0, *sample.mask]) if b and not a)
+        assert starts == 2  # two sampled turns, forced tokens between them
+    metrics = step_metrics(run.path)[0]
+    assert metrics["router/replayed_tokens"] > 0
+    if not bf16_autocast_is_fast(torch.device("cpu")):
+        assert metrics["router/disagreement"] == 0.0
