@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 86 fields, each documented once, right under it (a test keeps the count).
+dataclass of 87 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
