@@ -2,7 +2,8 @@
 
 Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
 and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``. The module is one class
-over that invariant (under 500 lines), which is why it is not split.
+over that invariant (about 500 lines), which is why it is not split; router replay's
+recording is ``router_replay.py``'s, called where ``self.routes`` is set.
 """
 
 from __future__ import annotations
@@ -121,8 +122,8 @@ class _Row:
         else:
             self.segments.append(PolicySegment(start, version))
 
-    def to_sequence(self, reason: StopReason, recorder: RouteRecorder | None) -> SampledSequence:
-        routes = None if self.routes is None or recorder is None else self.routes.sequence(recorder)
+    def to_sequence(self, reason: StopReason) -> SampledSequence:
+        routes = None if self.routes is None else self.routes.sequence()
         return SampledSequence(
             self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs, routes
         )
@@ -267,7 +268,8 @@ class Decoder:
         self._forward(
             rows, end, _long([prompt.suffix], self.device), _long([positions], self.device)
         )
-        self._record_prompt_routes([prompt], width)
+        if self.routes is not None:
+            (prompt.routes,) = self.routes.prefilled([(prompt.routes, prompt.reused, width)], width)
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens_computed += width
         self.stats.prefill_tokens_reused += prompt.reused
@@ -291,7 +293,10 @@ class Decoder:
             positions.append(pad + list(range(prompt.reused, len(prompt.tokens))))
         rows = slice(first, first + len(prompts))
         logits = self._forward(rows, end, _long(ids, self.device), _long(positions, self.device))
-        self._record_prompt_routes(prompts, width)
+        if self.routes is not None:  # router replay: the cached part's, then the suffix's
+            records = [(p.routes, p.reused, len(p.suffix)) for p in prompts]
+            for prompt, routes in zip(prompts, self.routes.prefilled(records, width), strict=True):
+                prompt.routes = routes
         self._count_prefill(prompts)
         self._fan_out(first, prompts, logits)
 
@@ -326,19 +331,6 @@ class Decoder:
         self.batch.valid[row, end - len(prompt.suffix) : end] = True
         self.batch.positions[row] = len(prompt.tokens)
 
-    def _record_prompt_routes(self, prompts: list[_Prompt], width: int) -> None:
-        """Router replay: each prompt's record, its cached part's and then what the prefill's
-        forward (``width`` right-aligned columns a row) chose for its suffix."""
-        if self.routes is None:
-            return
-        taken = self.routes.take(len(prompts), width)
-        for prompt, chosen in zip(prompts, taken, strict=True):
-            cached = prompt.routes
-            if cached is None:
-                cached = self.routes.unrecorded(prompt.reused)
-            suffix = chosen[width - len(prompt.suffix) :]
-            prompt.routes = np.concatenate([cached[: prompt.reused], suffix])
-
     def _count_prefill(self, prompts: list[_Prompt]) -> None:
         stats = self.stats
         stats.prefill_batches += 1
@@ -357,13 +349,10 @@ class Decoder:
             order = list(range(len(prompts))) + [source - first for source in sources]
             logits = logits[torch.tensor(order, device=logits.device)]
         self.rows.extend(self._new_row(request, index) for request, index in samples)
-        if self.routes is not None:
+        if self.routes is not None:  # (every prompt's record is whole after its prefill)
             owners = prompts + [p for p in prompts for _ in p.samples[1:]]
             for row, prompt in zip(self.rows[first:], owners, strict=True):
-                recorded = prompt.routes
-                if recorded is None:
-                    recorded = self.routes.unrecorded(len(prompt.tokens))
-                row.routes = RowRoutes(recorded)
+                row.routes = RowRoutes(prompt.routes)
         self._sample(slice(first, first + len(samples)), logits)
 
     def _new_row(self, request: Request, index: int) -> _Row:
@@ -398,9 +387,7 @@ class Decoder:
             ids, positions = batch.next_tokens[rows, None], batch.positions[rows, None]
             logits = self._forward(rows, col + 1, ids, positions)
         if self.routes is not None:  # the routing of the token each row fed
-            for row, step in zip(self.rows, self.routes.take(batch.rows, 1)[:, 0], strict=True):
-                if row.routes is not None:
-                    row.routes.decoded.append(step)
+            self.routes.decoded([row.routes for row in self.rows])
         batch.cols += 1
         batch.positions[rows] += 1
         self.stats.decode_steps += 1
@@ -448,7 +435,7 @@ class Decoder:
         for index, reason in finished:
             row = self.rows[index]
             self._remember(index, row)
-            row.request.complete(row.index, row.to_sequence(reason, self.routes))
+            row.request.complete(row.index, row.to_sequence(reason))
         self._remove([index for index, _ in finished])
 
     def _remember(self, index: int, row: _Row) -> None:

@@ -52,9 +52,24 @@ class RouteRecorder:
         shape = (rows, queries, self.moe_layers, self.top_k)
         return stacked.to("cpu", torch.int16).numpy().reshape(shape)
 
-    def unrecorded(self, tokens: int) -> RoutedExperts:
-        """A record of ``tokens`` tokens that no forward read."""
-        return unrecorded(tokens, self.moe_layers, self.top_k)
+    def prefilled(
+        self, prompts: list[tuple[RoutedExperts | None, int, int]], width: int
+    ) -> list[RoutedExperts]:
+        """After a prefill over ``width`` columns a row, each prompt's whole record from its
+        (cached record, tokens reused from the cache, suffix length): the cached part's, then
+        what the forward chose for its suffix (right-aligned in its row)."""
+        records = []
+        taken = self.take(len(prompts), width)
+        for (cached, reused, suffix), chosen in zip(prompts, taken, strict=True):
+            known = unrecorded(reused, self.moe_layers, self.top_k) if cached is None else cached
+            records.append(np.concatenate([known[:reused], chosen[width - suffix :]]))
+        return records
+
+    def decoded(self, rows: list[RowRoutes | None]) -> None:
+        """After a decode step: each row's record gets the routing of the token it fed."""
+        for routes, step in zip(rows, self.take(len(rows), 1)[:, 0], strict=True):
+            if routes is not None:
+                routes.decoded.append(step)
 
     def close(self) -> None:
         for handle in self._handles:
@@ -65,7 +80,9 @@ class RowRoutes:
     """One sampled sequence's record: its prompt's (prefill or cached) and then one entry per
     token it fed while decoding."""
 
-    def __init__(self, prompt: RoutedExperts) -> None:
+    def __init__(self, prompt: RoutedExperts | None) -> None:
+        if prompt is None:
+            raise RuntimeError("a prompt was prefilled without recording its routes")
         self.prompt = prompt
         self.decoded: list[np.ndarray] = []
 
@@ -73,6 +90,6 @@ class RowRoutes:
         """The prompt's and the fed tokens' routes: what a prefix cache entry keeps."""
         return np.concatenate([self.prompt, *[step[None] for step in self.decoded]])
 
-    def sequence(self, recorder: RouteRecorder) -> RoutedExperts:
+    def sequence(self) -> RoutedExperts:
         """``[len(prompt) + len(tokens)]``: the last sampled token was never fed."""
-        return np.concatenate([self.fed(), recorder.unrecorded(1)])
+        return np.concatenate([self.fed(), unrecorded(1, *self.prompt.shape[1:])])
