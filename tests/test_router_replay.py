@@ -273,6 +273,14 @@ def test_replaying_the_models_own_routes_is_its_own_forward_exactly(family, pack
     assert result.metrics["router/disagreement"] == 3 / read
 
 
+def test_a_record_of_another_shape_than_the_models_routing_is_refused():
+    trainer = trainer_for(qwen3_moe())
+    routes = np.zeros((3, 5, 2), dtype=np.int16)  # 5 MoE layers; the model has 2
+    sample = TrainingSample([1, 2, 3], [0.0, 1.0, 1.0], [0.0] * 3, [0.0] * 3, routes)
+    with pytest.raises(ValueError, match="model has 2 MoE layers of top-2 routing"):
+        trainer.forward([sample])
+
+
 def test_a_trainer_asked_to_replay_a_dense_models_routes_refuses():
     with pytest.raises(ValueError, match="router_replay needs a mixture-of-experts model"):
         Trainer(resolve_model(BUNDLED_MODEL_ID).source, use_lora=False, router_replay=True)

@@ -53,6 +53,11 @@ class RouterReplay:
     def replaying(self, routes: Tensor | None) -> Iterator[None]:
         """Route forwards (and their recomputation in backward) inside the block through
         ``routes`` ``[tokens, moe_layers, top_k]`` (None: every router its own way)."""
+        if routes is not None and tuple(routes.shape[1:]) != (self.moe_layers, self.top_k):
+            raise ValueError(
+                f"routed_experts are [tokens, moe_layers, top_k] = {list(routes.shape)}, but the "
+                f"model has {self.moe_layers} MoE layers of top-{self.top_k} routing"
+            )
         self._routes = routes
         self._differs, self._recorded = [None] * self.moe_layers, None
         try:
