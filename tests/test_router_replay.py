@@ -194,6 +194,27 @@ def test_the_engine_records_the_experts_its_routers_chose_for_every_token_it_rea
     np.testing.assert_array_equal(second.routed_experts[:-1], own_routes(model, tokens)[:-1])
 
 
+def test_prompts_sharing_a_long_prefix_prefilled_once_still_get_whole_records():
+    """Distinct prompts of one prefill that share 70 tokens: the engine computes the shared
+    prefix once, into its prefix cache, and each prompt's record still covers it."""
+    model = qwen3_moe()
+    shared = [(7 * i + 3) % 90 + 1 for i in range(70)]
+    prompts = [[*shared, 11, 12], [*shared, 13], [*shared, 14, 15, 16]]
+
+    async def scenario() -> tuple[list[SampledSequence], int]:
+        async with LocalEngine(model, record_routes=True) as engine:
+            params = SamplingParams(max_tokens=4, seed=5)
+            batches = await asyncio.gather(*(engine.sample(p, 1, params) for p in prompts))
+            return [batch[0] for batch in batches], engine.stats().prefill_tokens_reused
+
+    sequences, reused = asyncio.run(scenario())
+    assert reused == 3 * len(shared)
+    for prompt, sequence in zip(prompts, sequences, strict=True):
+        tokens = prompt + sequence.tokens
+        assert sequence.routed_experts is not None
+        np.testing.assert_array_equal(sequence.routed_experts[:-1], own_routes(model, tokens)[:-1])
+
+
 def test_an_engine_asked_to_record_a_dense_models_routes_refuses():
     from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR
     from post_training_cookbook.models.loading import load_causal_lm
