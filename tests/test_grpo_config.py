@@ -367,7 +367,7 @@ def local_variant(config: GRPOConfig) -> GRPOConfig:
     )  # fmt: skip
 
 
-TORCH_ONLY = {"prefix_cache_bytes": 2**30}
+TORCH_ONLY = {"prefix_cache_bytes": 2**30, "router_replay": True}
 """Fields a vLLM config cannot set: the round trips check them on a torch variant."""
 
 

@@ -2,7 +2,8 @@
 
 Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
 and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``. The module is one class
-over that invariant (about 540 lines), which is why it is not split.
+over that invariant (about 560 lines), which is why it is not split; router replay's
+recording is ``router_replay.py``'s, called where ``self.routes`` is set.
 
 Hybrid models (Gated DeltaNet layers beside full attention, ``recurrent.py``) run through the
 same steps: the batch carries each row's recurrent state beside its KV, the prefix cache
@@ -39,8 +40,10 @@ from post_training_cookbook.engine.recurrent import (
     layer_types,
     state_shapes,
 )
+from post_training_cookbook.engine.router_replay import RouteRecorder, RowRoutes
 from post_training_cookbook.engine.sampling import sample_tokens
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
+from post_training_cookbook.models.moe_routing import RoutedExperts
 
 StopReason = Literal["stop", "length"]
 _UNIFORM_CHUNK = 64
@@ -114,6 +117,7 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)
     uniforms: list[float] = field(default_factory=list)
+    routes: RowRoutes | None = None  # router replay: the experts each token went to
 
     def next_uniform(self) -> float:
         # Drawn in chunks: cheap per token, bounded memory, and still a function of the seed only.
@@ -135,7 +139,10 @@ class _Row:
             self.segments.append(PolicySegment(start, version))
 
     def to_sequence(self, reason: StopReason) -> SampledSequence:
-        return SampledSequence(self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs)
+        routes = None if self.routes is None else self.routes.sequence()
+        return SampledSequence(
+            self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs, routes
+        )
 
 
 @dataclass(eq=False)
@@ -147,6 +154,7 @@ class _Prompt:
     reused: int = 0  # leading tokens whose KV comes from the prefix cache
     past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
     state: RowState | None = None  # a hybrid model's recurrent state after the reused tokens
+    routes: RoutedExperts | None = None  # router replay: the cached part's, then the whole's
 
     @property
     def suffix(self) -> list[int]:
@@ -163,6 +171,7 @@ class Decoder:
         version: int = 0,
         native_kernels: bool = True,
         prefix_cache_bytes: int | None = None,
+        record_routes: bool = False,
     ) -> None:
         self.model = model
         config = model.config.get_text_config()
@@ -175,9 +184,13 @@ class Decoder:
         self.device: torch.device = next(model.parameters()).device
         # logits of the last position only: a prefill need not project every prompt token
         self.forward_kwargs = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+        # Router replay: the experts each token went to (engine/router_replay.py).
+        self.routes = RouteRecorder(model) if record_routes else None
         # Decode steps skip HF's generic forward where the architecture allows (fast_decode.py:
-        # dense Llama-family models only; a hybrid model always runs its own forward).
-        self.fused = None if self.hybrid else FusedDecodeStep.for_model(model, native_kernels)
+        # dense Llama-family models only, none with routers to record; a hybrid model always
+        # runs its own forward).
+        fused = self.hybrid or record_routes
+        self.fused = None if fused else FusedDecodeStep.for_model(model, native_kernels)
         if self.hybrid:
             gated_delta.install(model)  # its linear-attention layers' own decode step
         self.prefix_cache = PrefixCache(
@@ -297,12 +310,15 @@ class Decoder:
         self._forward(
             rows, end, _long([prompt.suffix], self.device), _long([positions], self.device)
         )
+        if self.routes is not None:
+            (prompt.routes,) = self.routes.prefilled([(prompt.routes, prompt.reused, width)], width)
         self.stats.prefill_batches += 1
         self.stats.prefill_tokens_computed += width
         self.stats.prefill_tokens_reused += prompt.reused
         keys, values = self.batch.row_kv(row)
         state = self.batch.row_state(row)
-        self.prefix_cache.insert(PrefixEntry(np.asarray(tokens), keys, values, self.version, state))
+        entry = PrefixEntry(np.asarray(tokens), keys, values, self.version, state, prompt.routes)
+        self.prefix_cache.insert(entry)
         self.batch.remove_rows([row])
 
     def _prefill(self, prompts: list[_Prompt]) -> None:
@@ -320,6 +336,10 @@ class Decoder:
             positions.append(pad + list(range(prompt.reused, len(prompt.tokens))))
         rows = slice(first, first + len(prompts))
         logits = self._forward(rows, end, _long(ids, self.device), _long(positions, self.device))
+        if self.routes is not None:  # router replay: the cached part's, then the suffix's
+            records = [(p.routes, p.reused, len(p.suffix)) for p in prompts]
+            for prompt, routes in zip(prompts, self.routes.prefilled(records, width), strict=True):
+                prompt.routes = routes
         self._count_prefill(prompts)
         self._fan_out(first, prompts, logits)
 
@@ -345,6 +365,7 @@ class Decoder:
         prompt.reused = length
         prompt.past = [k[:, :length] for k in entry.keys], [v[:, :length] for v in entry.values]
         prompt.state = entry.state  # whole entries only, so the state is at ``length``
+        prompt.routes = None if entry.routes is None else entry.routes[:length]
 
     def _place(self, row: int, prompt: _Prompt, end: int, width: int) -> None:
         """Lay a prompt out in ``row``: cached KV ends where the suffix block (``width``
@@ -372,6 +393,10 @@ class Decoder:
             order = list(range(len(prompts))) + [source - first for source in sources]
             logits = logits[torch.tensor(order, device=logits.device)]
         self.rows.extend(self._new_row(request, index) for request, index in samples)
+        if self.routes is not None:  # (every prompt's record is whole after its prefill)
+            owners = prompts + [p for p in prompts for _ in p.samples[1:]]
+            for row, prompt in zip(self.rows[first:], owners, strict=True):
+                row.routes = RowRoutes(prompt.routes)
         self._sample(slice(first, first + len(samples)), logits)
 
     def _new_row(self, request: Request, index: int) -> _Row:
@@ -405,6 +430,8 @@ class Decoder:
         else:
             ids, positions = batch.next_tokens[rows, None], batch.positions[rows, None]
             logits = self._forward(rows, col + 1, ids, positions)
+        if self.routes is not None:  # the routing of the token each row fed
+            self.routes.decoded([row.routes for row in self.rows])
         batch.cols += 1
         batch.positions[rows] += 1
         self.stats.decode_steps += 1
@@ -469,7 +496,8 @@ class Decoder:
         keys, values = self.batch.row_kv(index)
         state = self.batch.row_state(index)  # after the same tokens as the KV
         tokens = np.asarray(row.request.prompt + row.tokens[:-1])  # the last token was never fed
-        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version, state))
+        routes = None if row.routes is None else row.routes.fed()
+        self.prefix_cache.insert(PrefixEntry(tokens, keys, values, self.version, state, routes))
 
     def _remove(self, indices: list[int]) -> None:
         for source, target in self.batch.remove_rows(indices):

@@ -104,7 +104,8 @@ class LocalEngine:
     lets decode steps on CPU use the native attention kernel (``engine/native``: built on first
     use, about 30 s once per machine; without a compiler the engine falls back to torch's ops);
     ``copy_model=False`` makes ``model`` itself the engine's copy (cast and moved in place), for
-    a caller that loaded it for the engine alone.
+    a caller that loaded it for the engine alone; ``record_routes`` (an MoE model's, for router
+    replay) gives each ``SampledSequence`` its ``routed_experts`` (``engine/router_replay.py``).
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class LocalEngine:
         num_threads: int | None = None,
         native_kernels: bool = True,
         copy_model: bool = True,
+        record_routes: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -136,7 +138,7 @@ class LocalEngine:
             else prefix_cache_bytes
         )
         self._decoder = Decoder(
-            engine_model, prefix_cache_size, version, native_kernels, cache_bytes
+            engine_model, prefix_cache_size, version, native_kernels, cache_bytes, record_routes
         )
         self._vocab_size: int = engine_model.get_input_embeddings().num_embeddings
         self._tensors = dict(engine_model.state_dict())  # names, shapes, dtypes, tied storage

@@ -46,11 +46,14 @@ class PrefixEntry:
     values: list[torch.Tensor]
     version: int
     state: RowState | None = None
+    routes: np.ndarray | None = None
+    """Router replay: the experts each token went to (``engine/router_replay.py``)."""
 
     @property
     def nbytes(self) -> int:
         kv = sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
-        return kv + (self.state.nbytes if self.state is not None else 0)
+        state = self.state.nbytes if self.state is not None else 0
+        return kv + state + (0 if self.routes is None else self.routes.nbytes)
 
 
 CPU_SHARE = 16

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
+import numpy as np
+
 MIN_TEMPERATURE = 1e-3
 """The lowest temperature above 0 that sampling takes: logits divided by much less overflow
 to infinity (NaN log-probabilities, the same token every time). Below it, use 0 (greedy)."""
@@ -74,6 +76,10 @@ class SampledSequence:
     # log p of each token under the plain softmax of the logits (temperature 1, no top-k/top-p)
     # of the weights that sampled it; empty when the engine does not report it.
     raw_logprobs: list[float] = field(default_factory=list)
+    # Router replay (``models/moe_routing.py``): int16 [len(prompt) + len(tokens), moe_layers,
+    # top_k], the experts each MoE layer's router chose for each token as the sampler read it
+    # (-1: never read, as the last sampled token); None when the engine did not record.
+    routed_experts: np.ndarray | None = None
 
 
 WeightsMode = Literal["pipeline", "drain"]

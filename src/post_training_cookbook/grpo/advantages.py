@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from post_training_cookbook.models.moe_routing import RoutedExperts
 from post_training_cookbook.rollout import Episode, Group, TruncationCause, has_reward_variance
 from post_training_cookbook.trainer.types import TrainingSample
 
@@ -160,10 +161,15 @@ def episode_samples(episode: Episode, token_advantages: list[float]) -> list[Tra
             mask=episode.mask[piece],
             sampler_logprobs=episode.sampler_logprobs[piece],
             advantages=token_advantages[piece],
+            routed_experts=_piece_of(episode.routed_experts, piece),
         )
         for piece in episode.segments()
         if any(episode.mask[piece])
     ]
+
+
+def _piece_of(routes: RoutedExperts | None, piece: slice) -> RoutedExperts | None:
+    return None if routes is None else routes[piece]
 
 
 # ---------------------------------------------------------------- per-step rewards

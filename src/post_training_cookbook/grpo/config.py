@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 86 fields, each documented once, right under it (a test keeps the count).
+dataclass of 87 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ from post_training_cookbook.grpo.validation import (
     pipeline_needs_full_weight,
     positive,
     raise_if_any,
+    replay_needs_torch_engine,
     resume_needs_run_name,
     setting,
     sharded_trainer_on_ray,
@@ -269,6 +270,16 @@ class GRPOConfig:
     """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
     (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16
     halves frozen weights (the LoRA base); full-weight training holds the same bytes."""
+    router_replay: bool = setting(False, replay_needs_torch_engine)
+    """Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE, ...): the torch engine records which
+    experts each MoE layer's router chose for every token it read (prompt and sampled), and
+    the trainer's forward sends each recorded token to those experts, its own router weights
+    still computing their mixing weights (R3, "rollout routing replay"). Removes the part of
+    the sampler/trainer log-probability gap that near-tied router logits cause when the two
+    compute in different precisions or kernels. Logs ``router/disagreement`` (the share of
+    recorded tokens the trainer's own routers would have sent elsewhere in some MoE layer)
+    each step. A model without known MoE routers, or ``generation_engine="vllm"``, is
+    refused before any weights load. docs/grpo_config.md, Router replay."""
 
     # On-policy distillation (docs/losses.md, On-policy distillation)
     teacher: str | None = setting(None, teacher_source)
@@ -335,7 +346,7 @@ class GRPOConfig:
     ``scale``; with ``backend="local"`` one engine beside the trainer), or ``"auto"``: the
     catalog's first engine for the model, the torch engine for generators without a GPU
     (``models.default_engine``): torch for dense models, and for hybrid ones (Qwen3.5 and
-    later) vLLM on a GPU, torch on a CPU."""
+    later) vLLM on a GPU, torch on a CPU or with ``router_replay`` on."""
     prefix_cache_bytes: int | None = setting(None, at_least(0, or_none=True), torch_engine_only)
     """Bytes of KV each torch generator keeps in its prefix cache (finished sequences whose
     prefix a later prompt reuses), least recently used first out. None: a share of the

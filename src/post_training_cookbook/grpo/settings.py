@@ -149,7 +149,8 @@ class RunSettings:
         )
         engine = config.generation_engine
         if engine == "auto":
-            engine = default_engine(model, on_gpu=_generators_on_gpu(config))
+            on_gpu = _generators_on_gpu(config)
+            engine = default_engine(model, on_gpu, router_replay=config.router_replay)
         assert engine != "auto"
         async_settings = None
         if config.max_steps_off_policy is not None:
@@ -185,6 +186,7 @@ class RunSettings:
                     packing=config.trainer_packing != "off",
                     shared_prefix=config.trainer_packing == "shared_prefix",
                     seed=config.seed,
+                    router_replay=config.router_replay,
                 ),
                 backend=config.backend,
                 generation_engine=engine,

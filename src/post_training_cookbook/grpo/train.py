@@ -28,7 +28,7 @@ from post_training_cookbook.grpo.lockstep import run_lockstep, validation_phase
 from post_training_cookbook.grpo.reporting import ConsoleProgress, RunLog, WandbLogger
 from post_training_cookbook.grpo.runs import LoopState, Run, RunDirectory, resume_from_checkpoint
 from post_training_cookbook.grpo.settings import RunSettings
-from post_training_cookbook.models.availability import require_weights
+from post_training_cookbook.models.availability import check_router_replay, require_weights
 from post_training_cookbook.models.catalog import (
     check_model_can_sample,
     require_engine_support,
@@ -104,11 +104,13 @@ def _checked(
     check_episode_inputs(train_tasks, env_factory, purpose="train", val_tasks=val_tasks)
     info = resolve_model(config.model, codec=config.codec)
     check_model_can_sample(info, config.max_model_length)
-    require_weights(info)  # first: on a machine without them, nothing else is worth saying
+    weights = require_weights(info)  # first: on a machine without them, nothing else matters
     config = config.with_resolved_run_name()
     settings = RunSettings.from_config(config, info)  # checks the codec options too
     require_engine_support(info, settings.service.generation_engine)
     check_service_spec(settings.service)
+    if config.router_replay:
+        check_router_replay(info.model_id, weights)
     if settings.teacher is not None and not settings.teacher.is_endpoint:
         check_same_tokenizer(info, settings.teacher.source)  # before any weights load
     return config, settings

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
-from post_training_cookbook.service.types import WeightSyncType
+from post_training_cookbook.service.types import VLLM_RECORDS_NO_ROUTES, WeightSyncType
 from post_training_cookbook.trainer.types import LossConfig
 
 if TYPE_CHECKING:
@@ -258,6 +258,10 @@ def one_vllm_engine_per_process(config: GRPOConfig, name: str, value: Any) -> st
         f"{config.num_generator_replicas} (vLLM allows one engine per process): set "
         'backend="ray" for several replicas'
     )
+
+
+def replay_needs_torch_engine(config: GRPOConfig, name: str, value: Any) -> str | None:
+    return VLLM_RECORDS_NO_ROUTES if value and config.generation_engine == "vllm" else None
 
 
 def device_name(config: GRPOConfig, name: str, value: Any) -> str | None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.models.moe_routing import check_router_replay_config
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 
@@ -57,6 +58,17 @@ def require_weights(info: ModelInfo, *, cache_dir: str | Path | None = None) -> 
     except Exception as error:  # network down, proxy, hub outage: all mean "not reachable"
         raise ValueError(_missing(info, f"the hub is not reachable ({error})")) from None
     return WeightsSource("hub", info.source)
+
+
+def check_router_replay(model_id: str, weights: WeightsSource) -> None:
+    """ValueError unless the model's ``config.json`` names an MoE architecture router replay
+    routes (``moe_routing.py``); read from the folder or cache, or fetched alone from the hub."""
+    folder = Path(weights.location)
+    if weights.kind == "hub":
+        from huggingface_hub import hf_hub_download
+
+        folder = Path(hf_hub_download(weights.location, "config.json")).parent
+    check_router_replay_config(model_id, folder)
 
 
 def _cached_snapshot(repo_id: str, cache_dir: str | Path | None) -> Path | None:

@@ -151,11 +151,15 @@ def require_engine_support(info: ModelInfo, engine: str) -> None:
         )
 
 
-def default_engine(info: ModelInfo, on_gpu: bool) -> Literal["torch", "vllm"]:
+def default_engine(
+    info: ModelInfo, on_gpu: bool, router_replay: bool = False
+) -> Literal["torch", "vllm"]:
     """The engine ``generation_engine="auto"`` picks for ``info``: its first engine, except
-    that generators without a GPU take the torch engine where it is listed (vLLM's CPU build
-    is an optional install, docs/scale_out.md)."""
-    if info.engines[0] == "torch" or (not on_gpu and "torch" in info.engines):
+    that the torch engine is taken where it is listed by generators without a GPU (vLLM's CPU
+    build is an optional install, docs/scale_out.md) and by runs with router replay on (only
+    the torch engine records the experts each token went to)."""
+    prefer_torch = not on_gpu or router_replay
+    if info.engines[0] == "torch" or (prefer_torch and "torch" in info.engines):
         return "torch"
     return "vllm"
 

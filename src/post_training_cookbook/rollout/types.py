@@ -19,8 +19,11 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
+import numpy as np
+
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.envs.base import Task
+from post_training_cookbook.models.moe_routing import RoutedExperts, extend_routes, unrecorded
 from post_training_cookbook.types import Message
 
 if TYPE_CHECKING:
@@ -172,6 +175,9 @@ class Episode:
     token_turns: list[int] = field(default_factory=list)
     """Per token: the assistant turn (counted from 0) that sampled it; -1 on forced tokens.
     Empty for a hosted model's episode, which holds no tokens of ours."""
+    routed_experts: RoutedExperts | None = None
+    """Router replay (``models/moe_routing.py``): per token, the experts the sampler's routers
+    chose for it, -1 where none recorded it; None when the sampler records none."""
 
     @property
     def env_retries(self) -> int:
@@ -212,10 +218,19 @@ class Episode:
         self.sampler_logprobs += [0.0] * len(tokens)
         self.versions += [-1] * len(tokens)
         self.token_turns += [-1] * len(tokens)
+        if self.routed_experts is not None:  # until a prompt that holds them is sampled from
+            moe_layers, top_k = self.routed_experts.shape[1:]
+            none = unrecorded(len(tokens), moe_layers, top_k)
+            self.routed_experts = np.concatenate([self.routed_experts, none])
 
     def add_sampled(self, sequence: SampledSequence, turn: int | None = None) -> None:
         """Append a turn's sampled tokens; ``turn`` defaults to the turn being played (the
         next one, ``num_turns``)."""
+        if sequence.routed_experts is not None:
+            self.routed_experts = extend_routes(
+                self.routed_experts, len(self.tokens), sequence.routed_experts,
+                len(sequence.tokens),
+            )  # fmt: skip
         self.tokens += sequence.tokens
         self.mask += [1.0] * len(sequence.tokens)
         self.sampler_logprobs += sequence.logprobs

@@ -206,11 +206,13 @@ def _cut_at_stop(
         if len(text(sequence.tokens[:count])) >= start + len(stop)
     )
     segments = [s for s in sequence.policy_segments if s.start_token < count]
+    routes = sequence.routed_experts  # router replay: prompt + sampled tokens
     kept = SampledSequence(
         sequence.tokens[:count],
         sequence.logprobs[:count],
         "stop",
         segments or sequence.policy_segments[:1],
         sequence.raw_logprobs[:count],
+        None if routes is None else routes[: len(routes) - len(sequence.tokens) + count],
     )
     return kept, whole[:start]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.service.ray_env import check_scale_dependencies
 from post_training_cookbook.service.types import (
+    VLLM_RECORDS_NO_ROUTES,
     Backend,
     GenerationEngine,
     VLLMSettings,
@@ -88,6 +89,8 @@ class ServiceSpec:
                 f"prefix_cache_bytes bounds the torch engine's prefix cache, but "
                 f"{self.model.model_id} samples with vLLM, which manages its own KV cache"
             )
+        if self.generation_engine == "vllm" and self.trainer.router_replay:
+            raise ValueError(f"{self.model.model_id}: {VLLM_RECORDS_NO_ROUTES}")
         if self.generation_engine == "torch" and self.vllm != VLLMSettings():
             raise ValueError(
                 f"vllm_* settings apply to vLLM, but {self.model.model_id} samples with the "

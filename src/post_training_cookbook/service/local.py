@@ -45,7 +45,12 @@ from post_training_cookbook.engine.types import SampledSequence, SamplingParams,
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.models.loading import load_model
 from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
-from post_training_cookbook.service.types import GenerationEngine, PolicyState, WeightSyncType
+from post_training_cookbook.service.types import (
+    VLLM_RECORDS_NO_ROUTES,
+    GenerationEngine,
+    PolicyState,
+    WeightSyncType,
+)
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
@@ -150,6 +155,8 @@ class LocalModelService(ModelService):
         ``prefix_cache_bytes``: each torch generator's prefix cache bound (``LocalEngine``)."""
         if generation_engine == "vllm" and num_generator_replicas != 1:
             raise ValueError("a local vLLM engine runs alone: num_generator_replicas must be 1")
+        if generation_engine == "vllm" and trainer.router_replay:
+            raise ValueError(VLLM_RECORDS_NO_ROUTES)
         if num_generator_replicas < 1:
             raise ValueError(f"num_generator_replicas must be >= 1, got {num_generator_replicas}")
         counts = {"engine_threads": engine_threads, "trainer_threads": trainer_threads}
@@ -174,6 +181,7 @@ class LocalModelService(ModelService):
                     num_threads=threads,
                     copy_model=False,
                     prefix_cache_bytes=prefix_cache_bytes,
+                    record_routes=trainer.router_replay,
                 )
                 for _ in range(num_generator_replicas)
             ]

@@ -56,6 +56,7 @@ from post_training_cookbook.service.ray_startup import (
 )
 from post_training_cookbook.service.routing import PrefixRouter
 from post_training_cookbook.service.types import (
+    VLLM_RECORDS_NO_ROUTES,
     GenerationEngine,
     PolicyState,
     WeightSyncType,
@@ -161,7 +162,10 @@ class RayModelService(ModelService):
             max_lora_rank=trainer.lora_rank if adapter_sync else None,
             device="cuda" if num_gpus_per_generator > 0 else "cpu",
             prefix_cache_bytes=prefix_cache_bytes,
+            record_routes=trainer.router_replay,
         )
+        if spec.record_routes and spec.kind == "vllm":
+            raise ValueError(VLLM_RECORDS_NO_ROUTES)
         actors = await start_actors(
             info.source, trainer, spec, layout, ray_address=ray_address,
             collective_timeout_s=collective_timeout_s, startup_timeout_s=startup_timeout_s,

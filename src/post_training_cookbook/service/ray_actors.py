@@ -164,6 +164,8 @@ class EngineSpec:
     seed: int = 0
     prefix_cache_bytes: int | None = None
     """torch engine only: its prefix cache bound in bytes (None: a share of the device's)."""
+    record_routes: bool = False
+    """torch engine only: record the experts each token went to (router replay)."""
     vllm_options: dict[str, Any] = field(default_factory=dict)
     """Passed to ``vllm.EngineArgs`` as they are."""
 
@@ -206,6 +208,7 @@ def build_engine(spec: EngineSpec) -> Any:
         return LocalEngine(
             model, dtype=dtype, device=spec.device, max_batch_size=spec.max_batch_size,
             copy_model=False, prefix_cache_bytes=spec.prefix_cache_bytes,
+            record_routes=spec.record_routes,
         )  # fmt: skip
     raise ValueError(f"generation engine must be 'torch' or 'vllm', got {spec.kind!r}")
 

@@ -18,6 +18,13 @@ GenerationEngine = Literal["torch", "vllm"]
 WeightTransport = Literal["auto", "broadcast", "object_store"]
 """How a Ray service's trainer sends full weights to its generators: a ``torch.distributed``
 broadcast, or Ray's object store; ``"auto"``: broadcast from a sharded trainer."""
+VLLM_RECORDS_NO_ROUTES = (
+    'router_replay needs the experts each sampled token went to; generation_engine="vllm" '
+    "does not return them through this package's vLLM engine (vLLM's "
+    "enable_return_routed_experts is not wired in yet): sample with "
+    'generation_engine="torch", or set router_replay=False'
+)
+"""Router replay with vLLM: refused before any model loads (``ServiceSpec``, ``GRPOConfig``)."""
 
 
 @dataclass(frozen=True)

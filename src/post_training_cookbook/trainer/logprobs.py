@@ -43,6 +43,7 @@ from post_training_cookbook.trainer.frozen_head import (
 )
 from post_training_cookbook.trainer.losses import BatchTotals, token_entropy
 from post_training_cookbook.trainer.packed_layout import PackedLayout
+from post_training_cookbook.trainer.router_replay import micro_batch_routes
 from post_training_cookbook.trainer.types import TrainingSample
 
 LogitsRoute = Literal["head", "forward_on_hidden", "full_forward"]
@@ -60,6 +61,9 @@ class MicroBatch:
     packed: PackedLayout | None = None
     """The decoder's input as one token stream (``packing.py``), in place of the padded
     ``input_ids`` rows (which then only give the trained tokens' targets)."""
+    routed_experts: Tensor | None = None
+    """Router replay: the samples' records laid out as the decoder's input, flattened
+    (``router_replay.micro_batch_routes``); None when no sample has one."""
 
     @property
     def trained(self) -> Tensor:
@@ -126,6 +130,7 @@ def collate(
         # Off the mask these must be finite for the loss (0 · inf = nan): force 0.
         sampler_logprobs=pad([s.sampler_logprobs for s in chosen], torch.float32) * trained,
         advantages=pad([s.advantages for s in chosen], torch.float32) * trained,
+        routed_experts=micro_batch_routes(samples, [(i, 0) for i in indices], width, device),
     )
 
 

@@ -41,6 +41,7 @@ from post_training_cookbook.trainer import linear_attention
 from post_training_cookbook.trainer.attention import TRAINER_ATTENTION
 from post_training_cookbook.trainer.logprobs import MicroBatch, collate, hidden_at_trained
 from post_training_cookbook.trainer.packed_layout import AttentionBucket, PackedLayout, Segment
+from post_training_cookbook.trainer.router_replay import micro_batch_routes
 from post_training_cookbook.trainer.types import PackingMode, TrainingSample
 
 log = logging.getLogger(__name__)
@@ -118,10 +119,12 @@ def collate_packed(
     segments: list[Segment] = []
     previous_tokens: list[int] = []
     previous_path: list[int] = []
+    pieces: list[tuple[int, int]] = []  # (sample, its first token in the stream)
     for index in indices:
         sample = samples[index]
         tokens = sample.tokens
         shared = common_prefix_length(previous_tokens, tokens) if share_prefixes else 0
+        pieces.append((index, shared))
         start = len(stream)
         path = previous_path[:shared] + list(range(start, start + len(tokens) - shared))
         stream.extend(tokens[shared:])
@@ -148,6 +151,8 @@ def collate_packed(
         stream_order=torch.tensor(order, dtype=torch.long, device=device).argsort(),
         segments=tuple(segments),
     )
+    # Router replay: a shared token takes the record of the first sample holding it.
+    batch.routed_experts = micro_batch_routes(samples, pieces, None, device)
     return batch
 
 

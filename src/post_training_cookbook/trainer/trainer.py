@@ -23,6 +23,9 @@ from a plain HF training step, and why:
   not depend on how the batch was split (see ``losses.BatchTotals``).
 - A non-finite loss or gradient turns ``optim_step`` into a reported no-op.
 - Given a ``TrainerGroup`` it is one rank of a sharded trainer (FSDP2, ``sharded.py``).
+- With ``router_replay`` (MoE models), each token the sampler recorded goes to the experts
+  the sampler's routers chose (``router_replay.py``), and each step reports how many tokens
+  its own routers would have sent elsewhere (``router/disagreement``).
 
 What these choices measured, on which machine: ``docs/performance.md``.
 """
@@ -77,6 +80,7 @@ from post_training_cookbook.trainer.precision import (
     clip_gradients,
     new_optimizer,
 )
+from post_training_cookbook.trainer.router_replay import RouterReplay
 from post_training_cookbook.trainer.sharded import Shards, TrainerGroup, held_bytes
 from post_training_cookbook.trainer.sharded_checkpoints import (
     is_sharded_checkpoint,
@@ -94,6 +98,8 @@ from post_training_cookbook.trainer.types import (
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAME = "default"  # peft's name for the single adapter get_peft_model creates
+# Router replay's counts, summed over micro-batches (and ranks) before they become a share.
+_ROUTED_OTHERWISE, _ROUTES_RECORDED = "router/_routed_otherwise", "router/_recorded"
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,7 @@ class Trainer:
         packing: bool = True,
         shared_prefix: bool = True,
         seed: int | None = None,
+        router_replay: bool = False,
         tokenizer: Any = None,
         device: str | torch.device | None = None,
         group: TrainerGroup | None = None,
@@ -151,7 +158,9 @@ class Trainer:
         ``shared_prefix`` a prefix shared by samples is forwarded once (``packing.py``; on
         only for models where it is exact, Gated DeltaNet hybrids included,
         ``linear_attention.py``);
-        ``micro_batch_tokens`` then bounds a stream's tokens.
+        ``micro_batch_tokens`` then bounds a stream's tokens. ``router_replay``: route each
+        token a sample's ``routed_experts`` records through those experts (a ValueError for a
+        model without MoE routers it knows, ``models/moe_routing.py``).
         """
         check_batch_options(
             micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
@@ -222,6 +231,9 @@ class Trainer:
             if autocast_bf16:
                 cast_norm_outputs_once(frozen)
             self._reference = scorer(frozen)
+        # After the frozen reference's copy: the KL reference routes its own way.
+        self._replay = RouterReplay(base) if router_replay else None
+        self.router_replay = router_replay
         if gradient_checkpointing:
             enable_gradient_checkpointing(base)
         self.gradient_checkpointing = gradient_checkpointing
@@ -295,7 +307,8 @@ class Trainer:
         self._model.eval()
         logprobs_by_sample: list[list[float]] = [[] for _ in samples]
         for batch in self._micro_batches(samples):
-            logprobs, _ = self._scorer(batch)
+            with self._replaying(batch):
+                logprobs, _ = self._scorer(batch)
             for row, index in enumerate(batch.indices):
                 logprobs_by_sample[index] = logprobs[row, : len(samples[index].tokens)].tolist()
         if self._shards is not None:  # each rank scored its share
@@ -316,26 +329,37 @@ class Trainer:
         self._model.train()
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
+        routed = [0, 0]  # router replay: tokens routed otherwise by our routers, recorded tokens
         for batch in self._micro_batches(samples):
             reference = self._reference_logprobs(batch) if loss.kl_beta > 0 else None
-            with self._checkpointing_for(batch):
+            with self._checkpointing_for(batch), self._replaying(batch):
                 logprobs, entropy_sum = self._scorer(batch)
                 value, metrics = loss_fn(
                     logprobs, batch.sampler_logprobs, batch.advantages, batch.mask, loss,
                     reference_logprobs=reference, totals=totals,
                 )  # fmt: skip
                 value.backward()
+            if self._replay is not None:
+                routed = [a + b for a, b in zip(routed, self._replay.disagreement(), strict=True)]
             total_loss += value.item()
             tokens = batch.mask.sum().item()
             metrics["loss/entropy"] = entropy_sum / max(tokens, 1e-8)
             for key, mean in metrics.items():  # token-weighted, exact across micro-batches
                 metric_sums[key] = metric_sums.get(key, 0.0) + mean * tokens
+        metric_sums[_ROUTED_OTHERWISE], metric_sums[_ROUTES_RECORDED] = map(float, routed)
         if self._shards is not None:  # each rank's share of the batch loss and metrics
             total_loss, metric_sums = self._shards.sum_results(total_loss, metric_sums)
         self._has_grads = True
         self._nonfinite_loss |= not math.isfinite(total_loss)
+        routed_otherwise, recorded = (
+            metric_sums.pop(_ROUTED_OTHERWISE),
+            metric_sums.pop(_ROUTES_RECORDED),
+        )
         denominator = max(totals.num_tokens, 1e-8)
         metrics_out = {key: total / denominator for key, total in metric_sums.items()}
+        if self._replay is not None:
+            metrics_out["router/disagreement"] = routed_otherwise / max(recorded, 1.0)
+            metrics_out["router/replayed_tokens"] = recorded
         num_tokens = sum(s.num_trained_tokens for s in samples)
         return ForwardBackwardResult(total_loss, metrics_out, num_tokens)
 
@@ -472,6 +496,12 @@ class Trainer:
             return cast(Tensor, self._reference(batch)[0])
         with cast(PeftModel, self._model).disable_adapter():
             return cast(Tensor, self._scorer(batch)[0])
+
+    def _replaying(self, batch: MicroBatch) -> contextlib.AbstractContextManager[None]:
+        """Router replay of the batch's records, when the trainer replays (``router_replay.py``)."""
+        if self._replay is None:
+            return contextlib.nullcontext()
+        return self._replay.replaying(batch.routed_experts)
 
     def _checkpointing_for(self, batch: MicroBatch) -> contextlib.AbstractContextManager[None]:
         """Checkpointing of some layers for a stream of samples sharing a prefix grown past

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from post_training_cookbook.models.moe_routing import RoutedExperts
+
 Precision = Literal["fp32", "bf16"]
 """The trainer's weights: fp32 (with fp32 gradients and AdamW state), or bf16 weights and
 gradients with an fp32 master copy and moments in the optimizer (``trainer/precision.py``)."""
@@ -38,6 +40,11 @@ class TrainingSample:
     """Behaviour-policy log p of each token, as recorded when it was sampled; 0 where mask 0."""
     advantages: list[float]
     """Per-token advantage (usually the episode's on every sampled token); 0 where mask 0."""
+    routed_experts: RoutedExperts | None = None
+    """Router replay (``models/moe_routing.py``): int16 ``[len(tokens), moe_layers, top_k]``,
+    the experts the sampler's routers chose for each token (-1 where none recorded it). A
+    trainer built with ``router_replay`` routes each recorded token through them; None: its
+    own router routes every token."""
 
     def __post_init__(self) -> None:
         length = len(self.tokens)
@@ -52,6 +59,11 @@ class TrainingSample:
             raise ValueError("mask[0] must be 0: the first token has no context to predict it")
         if any(m < 0.0 for m in self.mask):
             raise ValueError("mask entries must be >= 0")
+        routes = self.routed_experts
+        if routes is not None and (routes.ndim != 3 or len(routes) != length):
+            raise ValueError(
+                f"routed_experts must be [tokens={length}, moe_layers, top_k], got {routes.shape}"
+            )
 
     @property
     def num_trained_tokens(self) -> int:
@@ -151,3 +163,6 @@ class TrainerSettings:
     seed: int | None = None
     device: str | None = None
     """``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; None: CUDA when present, else the CPU."""
+    router_replay: bool = False
+    """MoE models: the generators record the experts each token went to, and the trainer's
+    forward routes each recorded token through them (``trainer/router_replay.py``)."""
