@@ -8,6 +8,7 @@ Same model, dtype, prompts and sampling (temperature 1, no top-k/top-p, exactly
     python benchmarks/generation.py --model random-qwen2              # random ~2.9M Qwen2
     python benchmarks/generation.py --model random-qwen3.5            # a random hybrid
     python benchmarks/generation.py --model path/to/hf_folder --dtypes bfloat16
+    python benchmarks/generation.py --model random-qwen3.5 --device cuda --dtypes bfloat16
 
 LocalEngine decodes with its native CPU kernels (``engine/native``, built on first use);
 ``--torch-ops-row`` adds a row with them off, for the comparison in one run.
@@ -19,6 +20,9 @@ LocalEngine decodes with its native CPU kernels (``engine/native``, built on fir
 one routes over 8 experts, 2 per token, beside a shared expert). A hybrid's decode steps run
 the model's forward with the engine's Gated DeltaNet step (``engine/gated_delta.py``), not
 the fused dense step, so the native-kernel rows do not apply to it.
+``--device cuda`` puts both engines' copies of the model on the GPU (the native kernels are
+CPU kernels: a CUDA engine decodes with torch ops; scripts/gpu_hybrid_check.sh runs this on
+the random hybrids); each timed run ends with a CUDA synchronize.
 Prompts have random lengths in [32, 96]; ``generate`` gets them left-padded with a mask.
 Timings are the best of ``--repeats`` runs after one warm-up; other processes on the
 machine skew them, so the load average is printed next to the table (on the shared 2-core
@@ -113,21 +117,24 @@ def load_base(model: str) -> transformers.PreTrainedModel:
 
 
 def best_of(repeats: int, run: Callable[[], None]) -> float:
-    run()  # warm-up: allocator, kernels, first-call paths
-    times = []
-    for _ in range(repeats):
+    def timed() -> float:
         start = time.perf_counter()
         run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        if torch.cuda.is_initialized():  # CUDA work still queued counts
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed()  # warm-up: allocator, kernels, first-call paths
+    return min(timed() for _ in range(repeats))
 
 
 def time_hf_generate(
     model: transformers.PreTrainedModel, prompts: list[list[int]], new: int, repeats: int
 ) -> float:
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     def run() -> None:
         with torch.inference_mode():
@@ -147,9 +154,10 @@ def time_local_engine(
     repeats: int,
     threads: int | None,
     native: bool = True,
+    device: str = "cpu",
 ) -> float:
     engine = LocalEngine(
-        model, dtype=dtype, max_batch_size=len(prompts), prefix_cache_size=0,
+        model, dtype=dtype, device=device, max_batch_size=len(prompts), prefix_cache_size=0,
         num_threads=threads, native_kernels=native,
     )  # fmt: skip
     params = SamplingParams(max_tokens=new)
@@ -212,7 +220,9 @@ def main() -> None:
     parser.add_argument(
         "--engine-threads", type=int, default=None, help="LocalEngine's intra-op threads"
     )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     args = parser.parse_args()
+    device = torch.device(args.device)
 
     base = load_base(args.model)
     vocab = int(base.config.vocab_size)
@@ -224,13 +234,16 @@ def main() -> None:
           f"{args.new_tokens} new tokens, torch threads {torch.get_num_threads()}, "
           f"LocalEngine threads {args.engine_threads or torch.get_num_threads()}, "
           f"load average before {os.getloadavg()[0]:.2f}")  # fmt: skip
-    kernels = "built" if native_kernels() is not None else "unavailable (torch ops)"
-    print(f"LocalEngine native decode kernels: {kernels}")
+    if device.type == "cuda":
+        print(f"device: {torch.cuda.get_device_name(device)}")
+    else:
+        kernels = "built" if native_kernels() is not None else "unavailable (torch ops)"
+        print(f"LocalEngine native decode kernels: {kernels}")
 
     rows: list[Row] = []
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        model = copy.deepcopy(base).to(dtype)
+        model = copy.deepcopy(base).to(device, dtype)
         rows.append(
             Row(
                 "hf generate",
@@ -239,14 +252,17 @@ def main() -> None:
                 tokens,
             )
         )
+        del model  # one copy on the device at a time
         seconds = time_local_engine(
-            base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads
-        )
+            base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads,
+            device=args.device,
+        )  # fmt: skip
         rows.append(Row("LocalEngine", name, seconds, tokens))
         if args.torch_ops_row:
             seconds = time_local_engine(
-                base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads, False
-            )
+                base, dtype, prompts, args.new_tokens, args.repeats, args.engine_threads, False,
+                args.device,
+            )  # fmt: skip
             rows.append(Row("  torch ops", name, seconds, tokens))
         if not args.no_vllm:
             result = time_vllm(base, name, prompts, args.new_tokens, args.repeats)

@@ -170,10 +170,12 @@ def measure(args: argparse.Namespace) -> Row:
     reset_peak(device)
     trainer.forward_backward(samples, loss)
     trainer.optim_step(1e-6)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(args.steps):
         result = trainer.forward_backward(samples, loss)
         trainer.optim_step(1e-6)
+    synchronize(device)  # the optimizer's CUDA work may still be queued
     seconds = (time.perf_counter() - start) / args.steps
     peak = peak_bytes(device) - resident
     processed = stream_tokens(
@@ -189,6 +191,11 @@ def measure(args: argparse.Namespace) -> Row:
     return Row(args.shape, args.mode, processed, trained, seconds, peak, result.loss, settings)
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
@@ -197,7 +204,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--micro-batch-tokens", type=int, help="default: the memory plan's")
-    parser.add_argument("--device", default=None)
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--logprob-chunk-tokens", type=int, help="default: the trainer's")
     parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)

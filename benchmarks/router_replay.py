@@ -3,6 +3,7 @@ token's experts, and a trainer step with and without replaying them, side by sid
 
     python benchmarks/router_replay.py
     python benchmarks/router_replay.py --hidden 512 --layers 8 --experts 32 --top-k 8
+    python benchmarks/router_replay.py --device cuda
 
 A random Qwen3-MoE (nothing is downloaded): every layer sparse, ``--experts`` experts,
 ``--top-k`` a token. Sampling: ``--sequences`` completions of ``--tokens`` tokens (4 prompts
@@ -50,7 +51,8 @@ def sample(
 
     async def run() -> tuple[float, list[SampledSequence]]:
         best, sequences = float("inf"), []
-        async with LocalEngine(model, record_routes=record, prefix_cache_size=0) as engine:
+        engine = LocalEngine(model, device=args.device, record_routes=record, prefix_cache_size=0)
+        async with engine:
             for _ in range(args.repeats):
                 start = time.perf_counter()
                 sequences = await once(engine)
@@ -63,12 +65,16 @@ def sample(
 def train_seconds(
     model: torch.nn.Module, samples: list[TrainingSample], args: argparse.Namespace
 ) -> float:
-    trainer = Trainer(model, use_lora=False, router_replay=True, device="cpu")
+    trainer = Trainer(
+        model, use_lora=False, router_replay=True, device=args.device, autocast_bf16=False
+    )
     trainer.forward_backward(samples, LossConfig())  # warm-up
     best = float("inf")
     for _ in range(args.repeats):
         start = time.perf_counter()
         trainer.forward_backward(samples, LossConfig())
+        if trainer.device.type == "cuda":  # backward's CUDA work may still be queued
+            torch.cuda.synchronize(trainer.device)
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -82,6 +88,7 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     args = parser.parse_args()
     model = build(args)
     generator = torch.Generator().manual_seed(0)

@@ -48,3 +48,15 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     start_test_ray(tmp_path_factory.mktemp("ray_home"))
     yield
     ray.shutdown()
+
+
+@pytest.fixture
+def full_fp32() -> Iterator[None]:
+    """CUDA matmuls and cuDNN convolutions in full fp32 for the test: cuDNN's default for
+    fp32 convolutions is TF32 (a 10-bit mantissa, ~1e-3 relative), which would put a CUDA
+    case of an fp32 comparison (1e-5) out of its bound on rounding alone. Nothing changes
+    on a CPU."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn

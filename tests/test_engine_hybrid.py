@@ -4,7 +4,8 @@ Tiny random ``Qwen3_5ForCausalLM`` and ``Qwen3_5MoeForCausalLM`` (``hybrid_commo
 linear-attention layers, 1 full-attention layer): the engine's logprobs agree with the
 trainer's as closely as a dense model's do (``test_service``'s bound), rows that join and leave
 a batch sample what they sample alone, and a prefix-cache hit (the recurrent state kept at the
-end of a cached prefix) samples what a miss does.
+end of a cached prefix) samples what a miss does. Those three run on every device present
+(``scripts/gpu_hybrid_check.sh`` runs the CUDA cases), with TF32 off (``full_fp32``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from devices import DEVICES, skip_unless_fp32_gated_delta_runs
 from hybrid_common import build_tiny_hybrid, tiny_hybrid_model
 from test_service import make_service, mean_abs_gap, sample_episodes
 
@@ -28,6 +30,8 @@ from post_training_cookbook.trainer.types import LossConfig
 
 VOCAB = 128
 KINDS = pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+ON_DEVICES = pytest.mark.parametrize("device", DEVICES)
+pytestmark = pytest.mark.usefixtures("full_fp32")
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -39,12 +43,14 @@ def hybrid_dir(request, tmp_path_factory):
     return build_tiny_hybrid(tmp_path_factory.mktemp("hybrid"), moe=request.param)
 
 
-def test_a_hybrid_samples_and_trains_with_logprobs_agreeing_with_the_trainer(hybrid_dir):
+@ON_DEVICES
+def test_a_hybrid_samples_and_trains_with_logprobs_agreeing_with_the_trainer(hybrid_dir, device):
     """Sampled through ``LocalModelService``, scored by its trainer (padded rows), then two
     optimizer steps and a weights sync: the gap stays within the dense models' bound."""
+    skip_unless_fp32_gated_delta_runs(device)
 
     async def scenario():
-        service = make_service(hybrid_dir, use_lora=False)
+        service = make_service(hybrid_dir, use_lora=False, device=device)
         try:
             samples, versions = await sample_episodes(service, seed=1)
             assert set(versions) == {0}
@@ -72,8 +78,8 @@ def test_a_hybrid_samples_and_trains_with_logprobs_agreeing_with_the_trainer(hyb
 class Driver:
     """A ``Decoder`` of a tiny hybrid driven from the test (no worker thread), greedy."""
 
-    def __init__(self, moe: bool, prefix_cache_size: int = 0) -> None:
-        model = inference_copy(tiny_hybrid_model(VOCAB, moe), None, torch.device("cpu"))
+    def __init__(self, moe: bool, device: str = "cpu", prefix_cache_size: int = 0) -> None:
+        model = inference_copy(tiny_hybrid_model(VOCAB, moe), None, torch.device(device))
         self.decoder = Decoder(model, prefix_cache_size=prefix_cache_size)
         self.loop = asyncio.new_event_loop()
         self.requests: list[Request] = []
@@ -105,8 +111,8 @@ class Driver:
         self.loop.close()
 
 
-def alone(moe: bool, prompt: list[int], max_tokens: int) -> SampledSequence:
-    driver = Driver(moe)
+def alone(moe: bool, prompt: list[int], max_tokens: int, device: str = "cpu") -> SampledSequence:
+    driver = Driver(moe, device)
     driver.join([prompt], [max_tokens])
     (sequence,) = driver.results()
     driver.close()
@@ -118,14 +124,16 @@ def assert_same(got: SampledSequence, expected: SampledSequence) -> None:
     assert np.allclose(got.logprobs, expected.logprobs, atol=1e-5)
 
 
+@ON_DEVICES
 @KINDS
-def test_rows_joining_and_leaving_a_hybrid_batch_sample_what_they_sample_alone(moe):
+def test_rows_joining_and_leaving_a_hybrid_batch_sample_what_they_sample_alone(moe, device):
     """Three rows start (prompt lengths 5, 17 and 40: one left-padded prefill), two more join
     after 4 steps; rows stop after 3 to 24 tokens, so the batch moves rows into the slots of
     finished ones (their recurrent states with them) while others decode."""
+    skip_unless_fp32_gated_delta_runs(device)
     prompts = [prompt_of(length, seed) for seed, length in enumerate([5, 17, 40, 9, 23])]
     max_tokens = [24, 3, 12, 6, 20]
-    driver = Driver(moe)
+    driver = Driver(moe, device)
     assert driver.decoder.hybrid and driver.decoder.fused is None  # the model's own forward
     driver.join(prompts[:3], max_tokens[:3])
     driver.steps(4)
@@ -136,17 +144,19 @@ def test_rows_joining_and_leaving_a_hybrid_batch_sample_what_they_sample_alone(m
     assert driver.decoder.stats.max_decode_batch_size == 4
     for prompt, limit, sequence in zip(prompts, max_tokens, batched, strict=True):
         assert len(sequence.tokens) == limit
-        assert_same(sequence, alone(moe, prompt, limit))
+        assert_same(sequence, alone(moe, prompt, limit, device))
 
 
+@ON_DEVICES
 @KINDS
-def test_a_hybrid_prefix_cache_hit_samples_what_a_miss_does(moe):
+def test_a_hybrid_prefix_cache_hit_samples_what_a_miss_does(moe, device):
     """Turn 2 extends turn 1's prompt and completion: its prefill starts from the cached KV
     and recurrent state, in the same prefill as a fresh prompt of a similar length (a dense
     model would pad both into one forward; here each takes its own, as padding would decay
     the cached state), and samples what a cacheless decoder samples."""
+    skip_unless_fp32_gated_delta_runs(device)
     first = prompt_of(30, 0)
-    cached = Driver(moe, prefix_cache_size=8)
+    cached = Driver(moe, device, prefix_cache_size=8)
     cached.join([first], [10])
     (turn1,) = cached.results()
     turn2, fresh = first + turn1.tokens + prompt_of(7, 1), prompt_of(9, 2)
@@ -158,7 +168,7 @@ def test_a_hybrid_prefix_cache_hit_samples_what_a_miss_does(moe):
     assert (stats.prefix_cache_hits, stats.prefill_tokens_reused) == (1, 30 + 10 - 1)
     assert stats.prefill_batches == 3  # turn 1; then the hit and the fresh prompt apart
     for prompt, sequence in zip([turn2, fresh], hit, strict=True):
-        assert_same(sequence, alone(moe, prompt, 8))
+        assert_same(sequence, alone(moe, prompt, 8, device))
 
 
 def test_prompts_sharing_a_long_prefix_start_from_its_cached_state():

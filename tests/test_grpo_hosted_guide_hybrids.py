@@ -7,7 +7,10 @@ and ``Qwen3_5MoeForCausalLM``, the tool-use tokenizer of the tiny Llama) stands 
 model id, and each snippet runs end to end on the CPU: the torch engine samples the hybrid
 (``generation_engine="auto"`` picks it without a GPU) and the trainer trains it. As in
 ``test_grpo_hosted_guide_snippets``, only ``model`` and ``num_steps`` differ from the page
-(and W&B logs offline in a temporary working directory).
+(and W&B logs offline in a temporary working directory). Their CUDA cases (run by
+``scripts/gpu_hybrid_check.sh``) add ``device="cuda"`` and ``generation_engine="torch"``: on a
+GPU ``"auto"`` sends these models to vLLM, and this checks the torch engine and the trainer
+on the device.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from devices import DEVICES
 from hybrid_common import build_tiny_hybrid
 from test_grpo_common import Closes, mode_envs, step_metrics
 from test_grpo_hosted_guide_snippets import VALIDATION_OFF, in_a_fresh_folder, printed
@@ -35,9 +39,17 @@ def hybrid_model(request, tmp_path_factory, tiny_llama_dir) -> Path:
     return build_tiny_hybrid(folder, tiny_llama_dir, moe=request.param)
 
 
+def on(device: str) -> dict[str, str]:
+    """The settings a CUDA case adds to the page's (none on the CPU)."""
+    return {} if device == "cpu" else {"device": device, "generation_engine": "torch"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_training_example_trains_a_hybrid_model(
-    in_a_fresh_folder: Path, capfd: pytest.CaptureFixture[str], hybrid_model: Path
+    in_a_fresh_folder: Path, capfd: pytest.CaptureFixture[str], hybrid_model: Path, device: str
 ) -> None:
+    if device != "cpu":
+        pytest.importorskip("wandb")  # the page logs to W&B; a GPU machine may lack it
     tasks = calculator_tasks(num_train=8, num_val=0)
 
     config = GRPOConfig(
@@ -52,6 +64,7 @@ def test_the_training_example_trains_a_hybrid_model(
         wandb_project="grpo-tool-use-game",
         sequential_validation=True,
         max_sampling_attempts=2,
+        **on(device),  # added on CUDA
     )
 
     run = train_multi_turn(config, tasks=tasks, env_factory=lambda task: MathEnv())
@@ -63,8 +76,9 @@ def test_the_training_example_trains_a_hybrid_model(
     assert printed(capfd).count(VALIDATION_OFF) == 1
 
 
+@pytest.mark.parametrize("device", DEVICES)
 def test_the_async_example_config_trains_a_hybrid_model(
-    in_a_fresh_folder: Path, capfd: pytest.CaptureFixture[str], hybrid_model: Path
+    in_a_fresh_folder: Path, capfd: pytest.CaptureFixture[str], hybrid_model: Path, device: str
 ) -> None:
     config = GRPOConfig(
         model=str(hybrid_model),  # changed: "Qwen/Qwen3.6-35B-A3B"
@@ -75,6 +89,7 @@ def test_the_async_example_config_trains_a_hybrid_model(
         groups_in_flight=8,
         num_generator_replicas=2,
         num_steps=2,  # added: the default is 100
+        **on(device),  # added on CUDA
     )
 
     run = train_multi_turn(

@@ -4,8 +4,12 @@ the trainer's forward routes each recorded token through them, with its own rout
 mixing them (R3).
 
 Tiny random MoE models built from configs: Qwen3-MoE, and Qwen3.5-MoE (its sparse block with a
-shared expert; hybrid Gated DeltaNet layers in the trainer, full attention where the engine
-samples it, since the torch engine does not sample linear-attention layers yet).
+shared expert; with full attention only, and as the hosted guide's hybrid, Gated DeltaNet
+layers beside a full-attention one).
+
+The engine's records, own-routes exactness and the bf16 gap run on every device present
+(``scripts/gpu_hybrid_check.sh`` runs the CUDA cases), with TF32 off (``full_fp32``); the
+Qwen3.5-MoE cases skip where this transformers has no Qwen3.5-MoE, the Qwen3-MoE ones run.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import types
 import numpy as np
 import pytest
 import torch
+from devices import DEVICES, skip_unless_fp32_gated_delta_runs
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from transformers.models.qwen3_5_moe import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
 from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
@@ -42,6 +46,8 @@ from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 from post_training_cookbook.types import Message
 
 PROMPTS = [[1, 5, 9, 12, 7, 30], [3, 3, 7], [2, 40, 41, 42, 43, 44, 45]]
+ON_DEVICES = pytest.mark.parametrize("device", DEVICES)
+pytestmark = pytest.mark.usefixtures("full_fp32")
 
 
 def qwen3_moe(*, seed: int = 0, router_std: float = 1.0) -> Qwen3MoeForCausalLM:
@@ -60,16 +66,19 @@ def qwen3_moe(*, seed: int = 0, router_std: float = 1.0) -> Qwen3MoeForCausalLM:
     return model
 
 
-def qwen3_5_moe(layer_types: list[str]) -> Qwen3_5MoeForCausalLM:
+def qwen3_5_moe(layer_types: list[str]) -> torch.nn.Module:
+    """Skips the test where this transformers has no Qwen3.5-MoE (older than the GPU check
+    may find)."""
+    module = pytest.importorskip("transformers.models.qwen3_5_moe")
     torch.manual_seed(1)
-    config = Qwen3_5MoeTextConfig(
+    config = module.Qwen3_5MoeTextConfig(
         vocab_size=96, hidden_size=32, moe_intermediate_size=16,
         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
         num_hidden_layers=len(layer_types), layer_types=layer_types, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2,
         linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=256,
     )  # fmt: skip
-    model = Qwen3_5MoeForCausalLM(config).eval()
+    model = module.Qwen3_5MoeForCausalLM(config).eval()
     with torch.no_grad():
         for router in moe_routers(model):
             router.weight.normal_(0.0, 1.0)
@@ -80,7 +89,8 @@ HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_atte
 
 
 def own_routes(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
-    """``[tokens, moe_layers, top_k]``: what the model's routers choose in a plain forward."""
+    """``[tokens, moe_layers, top_k]``: what the model's routers choose in a plain forward
+    (on the device the model is on)."""
     chosen: list[torch.Tensor] = []
     handles = [
         router.register_forward_hook(lambda m, a, out: chosen.append(out[2]))
@@ -88,17 +98,20 @@ def own_routes(model: torch.nn.Module, tokens: list[int]) -> np.ndarray:
     ]
     try:
         with torch.no_grad():
-            model(input_ids=torch.tensor([tokens]))
+            model(input_ids=torch.tensor([tokens], device=next(model.parameters()).device))
     finally:
         for handle in handles:
             handle.remove()
-    return torch.stack(chosen, dim=1).numpy().astype(np.int16)
+    return torch.stack(chosen, dim=1).cpu().numpy().astype(np.int16)
 
 
-def sample(model: torch.nn.Module, dtype: torch.dtype, seed: int = 1) -> list[SampledSequence]:
+def sample(
+    model: torch.nn.Module, dtype: torch.dtype, seed: int = 1, device: str = "cpu"
+) -> list[SampledSequence]:
     async def scenario() -> list[SampledSequence]:
         params = SamplingParams(max_tokens=10, seed=seed)
-        async with LocalEngine(model, dtype=dtype, record_routes=True) as engine:
+        engine = LocalEngine(model, dtype=dtype, device=device, record_routes=True)
+        async with engine:
             batches = await asyncio.gather(*(engine.sample(p, 2, params) for p in PROMPTS))
         return [sequence for batch in batches for sequence in batch]
 
@@ -170,14 +183,18 @@ def moe(family: str) -> torch.nn.Module:
     return qwen3_5_moe(HYBRID if family == "qwen3_5_moe_hybrid" else ["full_attention"] * 2)
 
 
+@ON_DEVICES
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_hybrid"])
-def test_the_engine_records_the_experts_its_routers_chose_for_every_token_it_read(family):
+def test_the_engine_records_the_experts_its_routers_chose_for_every_token_it_read(family, device):
     """fp32: the record of each sequence (prompt and sampled tokens, batched, rows joining and
     leaving) is what a plain forward of the same tokens chooses, and the last sampled token,
     never read, is not recorded. A second turn that extends a first one reuses its KV from
     the prefix cache, and its record still covers the whole prompt."""
     model = moe(family)
-    sequences = sample(model, torch.float32)
+    if family == "qwen3_5_moe_hybrid":
+        skip_unless_fp32_gated_delta_runs(device)
+    model.to(device)
+    sequences = sample(model, torch.float32, device=device)
     prompts = [prompt for prompt in PROMPTS for _ in range(2)]
     moe_layers = len(moe_routers(model))
     for prompt, sequence in zip(prompts, sequences, strict=True):
@@ -189,7 +206,7 @@ def test_the_engine_records_the_experts_its_routers_chose_for_every_token_it_rea
         assert (routes[-1] == NOT_RECORDED).all()
 
     async def second_turn() -> tuple[SampledSequence, int]:
-        async with LocalEngine(model, record_routes=True) as engine:
+        async with LocalEngine(model, device=device, record_routes=True) as engine:
             params = SamplingParams(max_tokens=6, seed=3)
             (first,) = await engine.sample(PROMPTS[0], 1, params)
             prompt = PROMPTS[0] + first.tokens + [11, 12]
@@ -262,6 +279,7 @@ def test_an_episode_keeps_the_first_record_of_each_token_over_its_turns():
 # ---------------------------------------------------------------- the trainer
 
 
+@ON_DEVICES
 @pytest.mark.parametrize(
     "family, packing",
     [("qwen3_moe", True), ("qwen3_moe", False), ("qwen3_5_moe", False), ("qwen3_5_moe", True)],
@@ -272,12 +290,15 @@ def test_an_episode_keeps_the_first_record_of_each_token_over_its_turns():
         "qwen3_5_moe_hybrid-shared_prefix",
     ],
 )
-def test_replaying_the_models_own_routes_is_its_own_forward_exactly(family, packing):
+def test_replaying_the_models_own_routes_is_its_own_forward_exactly(family, packing, device):
     """fp32: samples whose records are the model's own choices give the same log-probabilities
     and loss with replay as without, bit for bit (so the stream and padded layouts put each
     record at its token), and the disagreement metric is 0. Then forcing other experts on a
     few tokens changes the log-probabilities, and the metric counts exactly those tokens."""
     model = qwen3_moe() if family == "qwen3_moe" else qwen3_5_moe(HYBRID)
+    if family == "qwen3_5_moe":
+        skip_unless_fp32_gated_delta_runs(device)
+    model.to(device)  # the records are the trainer's device's own choices
     prompt = [4, 8, 15, 16, 23, 42]
     completions = [[50, 51, 52, 53], [50, 61, 60], [70, 71, 72, 73, 74]]
     samples = []
@@ -287,7 +308,7 @@ def test_replaying_the_models_own_routes_is_its_own_forward_exactly(family, pack
         routes = own_routes(model, tokens)
         samples.append(TrainingSample(tokens, mask, [0.0] * len(tokens), mask, routes))
     plain = [dataclasses.replace(s, routed_experts=None) for s in samples]
-    trainer = trainer_for(model, packing=packing)
+    trainer = trainer_for(model, packing=packing, device=device)
     if packing:
         assert trainer.packing_mode == "shared_prefix"
     assert trainer.forward(samples) == trainer.forward(plain)
@@ -339,16 +360,17 @@ def drifting_moe(family: str) -> torch.nn.Module:
     return model
 
 
+@ON_DEVICES
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
-def test_replay_narrows_the_gap_between_a_bf16_sampler_and_an_fp32_trainer(family):
+def test_replay_narrows_the_gap_between_a_bf16_sampler_and_an_fp32_trainer(family, device):
     """A bf16 engine samples; an fp32 trainer scores the same samples with replay on and
     off: routing drift happens (the trainer's own routers would have chosen otherwise for
     some tokens), and replay makes the log-probability gap smaller (on this machine, by 4-10x
     over model seeds: 0.0013 against 0.0094 for Qwen3-MoE, 0.0012 against 0.0112 for
     Qwen3.5-MoE)."""
     model = drifting_moe(family)
-    sequences = sample(model, torch.bfloat16)
-    trainer = trainer_for(model)
+    sequences = sample(model, torch.bfloat16, device=device)
+    trainer = trainer_for(model, device=device)
     samples = training_samples(sequences)
     replayed = mean_gap(samples, trainer.forward(samples))
     own = mean_gap(samples, trainer.forward(training_samples(sequences, routes=False)))

@@ -32,10 +32,10 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def make_service(model_dir, *, use_lora, replicas=1, trainer_threads=None):
+def make_service(model_dir, *, use_lora, replicas=1, trainer_threads=None, device=None):
     info = resolve_model(str(model_dir), codec="hermes")
     trainer = TrainerSettings(
-        use_lora=use_lora, seed=0, autocast_bf16=False, lora_rank=4, lora_alpha=8
+        use_lora=use_lora, seed=0, autocast_bf16=False, lora_rank=4, lora_alpha=8, device=device
     )
     return LocalModelService.create(
         info, trainer, num_generator_replicas=replicas, trainer_threads=trainer_threads

@@ -2,17 +2,25 @@
 give the padded rows' log-probabilities, loss and gradients (``trainer/linear_attention.py``):
 the causal conv and the delta rule restart at each sample's start, and each continuation
 starts from its shared prefix's state, not from the end of the stream's previous sample.
-Tiny random models built here: 3 linear-attention layers and 1 full-attention layer."""
+Tiny random models built here: 3 linear-attention layers and 1 full-attention layer.
+
+The comparisons run on every device present (``scripts/gpu_hybrid_check.sh`` runs the CUDA
+cases) with the CPU's bounds: TF32 is off (``full_fp32``), so a CUDA case differs from its
+padded path by fp32 rounding in another order, as a CPU case does. Where the fused Gated
+DeltaNet kernels are installed (they take bf16 only), the fp32 cases skip on CUDA and the
+bf16 one runs them."""
 
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import random
 
 import pytest
 import torch
 import transformers
+from devices import DEVICES, skip_unless_fp32_gated_delta_runs
 from test_trainer_packing import (
     MODES,
     VOCAB,
@@ -36,6 +44,8 @@ HYBRID = dict(
     layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
     tie_word_embeddings=True,
 )  # fmt: skip
+ON_DEVICES = pytest.mark.parametrize("device", DEVICES)
+pytestmark = pytest.mark.usefixtures("full_fp32")
 
 
 def tiny_hybrid(family: str, seed: int = 0) -> transformers.PreTrainedModel:
@@ -77,18 +87,20 @@ CASES = [  # family, LoRA, gradient checkpointing, micro-batch tokens
 ]
 
 
+@ON_DEVICES
 @pytest.mark.parametrize(("family", "use_lora", "checkpointing", "budget"), CASES)
 def test_hybrid_packed_and_shared_prefix_equal_the_padded_path_in_fp32(
-    family: str, use_lora: bool, checkpointing: bool, budget: int
+    family: str, use_lora: bool, checkpointing: bool, budget: int, device: str
 ) -> None:
     """Episodes sharing a prompt, a prompt and a turn, or only their first token (a
     continuation whose conv window reaches back across two pieces of the tree)."""
+    skip_unless_fp32_gated_delta_runs(device)
     model, samples = tiny_hybrid(family), group_samples()
     loss = LossConfig(loss_type="grpo", kl_beta=0.05, tis_cap=2.0)
     start = warmed_adapter(model) if use_lora else moved_weights(model)
     options = {
         "gradient_checkpointing": checkpointing, "micro_batch_tokens": budget,
-        "reference_model": True, "logprob_chunk_tokens": 16,
+        "reference_model": True, "logprob_chunk_tokens": 16, "device": device,
     }  # fmt: skip
     results = [
         run(make_trainer(model, use_lora, m, **options), samples, loss, start) for m in MODES
@@ -98,19 +110,28 @@ def test_hybrid_packed_and_shared_prefix_equal_the_padded_path_in_fp32(
         assert_same(results[0], other, rtol=1e-5, atol=1e-6)
 
 
+@ON_DEVICES
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_a_prompt_longer_than_a_delta_rule_chunk_is_shared_exactly(family: str) -> None:
+def test_a_prompt_longer_than_a_delta_rule_chunk_is_shared_exactly(
+    family: str, device: str
+) -> None:
+    skip_unless_fp32_gated_delta_runs(device)
     model, samples = tiny_hybrid(family, seed=1), long_prompt_samples()
-    results = [run(make_trainer(model, False, m), samples, LossConfig(), None) for m in MODES]
+    results = [
+        run(make_trainer(model, False, m, device=device), samples, LossConfig(), None)
+        for m in MODES
+    ]
     for other in results[1:]:
         assert_same(results[0], other, rtol=1e-5, atol=1e-6)
     # The prompt's layers got gradient from every continuation through its final state.
     assert any(g.abs().sum() > 0 for n, g in results[2][2].items() if "linear_attn" in n)
 
 
-def test_bf16_hybrid_packed_stays_within_bf16_rounding_of_the_padded_path() -> None:
+@ON_DEVICES
+def test_bf16_hybrid_packed_stays_within_bf16_rounding_of_the_padded_path(device: str) -> None:
     model, samples = tiny_hybrid("qwen3_5"), group_samples(seed=3)
-    results = [run(make_trainer(model, False, m, autocast_bf16=True), samples, LossConfig(), None)
+    options = {"autocast_bf16": True, "device": device}
+    results = [run(make_trainer(model, False, m, **options), samples, LossConfig(), None)
                for m in MODES]  # fmt: skip
     for other in results[1:]:
         assert_same(results[0], other, rtol=3e-2, atol=3e-2)
@@ -168,3 +189,26 @@ def test_a_deep_copy_of_the_model_runs_its_own_layers() -> None:
              if linear_attention.has_packed_forward(a)]  # fmt: skip
     assert len(pairs) == 3
     assert all(b.forward.__self__ is b and a.forward.__self__ is a for a, b in pairs)
+
+
+def test_where_the_delta_rule_refuses_fp32_a_trainer_that_autocasts_still_packs() -> None:
+    """flash-linear-attention's fused chunk kernel, which transformers takes on a GPU where
+    it is installed, asserts bf16/fp16 inputs. Given that refusal (the reference rule behind
+    the same assertion), a trainer that autocasts still builds and packs (its logits route
+    and its layouts checked under autocast) and gives the padded path's loss within bf16
+    rounding; an fp32 trainer fails, naming the refusal."""
+    modeling = importlib.import_module("transformers.models.qwen3_5.modeling_qwen3_5")
+    reference = modeling.torch_chunk_gated_delta_rule
+
+    def bf16_only(query: torch.Tensor, *args: object, **kwargs: object) -> object:
+        assert query.dtype != torch.float32, "the chunk kernel does not support float32"
+        return reference(query, *args, **kwargs)
+
+    model, samples = tiny_hybrid("qwen3_5"), group_samples(seed=3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modeling, "torch_chunk_gated_delta_rule", bf16_only)
+        results = [run(make_trainer(model, False, m, autocast_bf16=True), samples, LossConfig(),
+                       None) for m in MODES[::2]]  # fmt: skip
+        with pytest.raises(AssertionError, match="does not support float32"):
+            make_trainer(model, False, "off", autocast_bf16=False)
+    assert_same(*results, rtol=3e-2, atol=3e-2)

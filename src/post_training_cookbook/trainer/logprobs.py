@@ -342,13 +342,28 @@ def full_forward_logits(model: PreTrainedModel, batch: MicroBatch) -> Tensor:
     return cast(Tensor, logits[:, :-1][batch.trained]).float()
 
 
-def choose_route(model: PreTrainedModel) -> LogitsRoute:
-    """The first route whose logits equal the model's own, on 8 tokens in eval mode."""
+def choose_route(model: PreTrainedModel, autocast_bf16: bool = False) -> LogitsRoute:
+    """The first route whose logits equal the model's own, on 8 tokens in eval mode: in the
+    weights' dtype, or under bf16 autocast where the trainer autocasts and that forward
+    fails (transformers' Qwen3.5 takes flash-linear-attention's fused Gated DeltaNet kernels
+    where they are installed, and those refuse fp32)."""
+    try:
+        return _route(model, autocast_bf16=False)
+    except Exception:
+        if not autocast_bf16:
+            raise
+        return _route(model, autocast_bf16=True)
+
+
+def _route(model: PreTrainedModel, autocast_bf16: bool) -> LogitsRoute:
     ids = torch.arange(8, device=model.device)[None] % model.config.get_text_config().vocab_size
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with (
+            torch.no_grad(),
+            torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=autocast_bf16),
+        ):
             full = model(input_ids=ids, use_cache=False).logits[0].float()
             hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
             # The model's own head module, in its own dtype: this checks structure, not

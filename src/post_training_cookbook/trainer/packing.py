@@ -223,9 +223,12 @@ def stream_tokens(
 # ---------------------------------------------------------------- which models
 
 
-def layout_mismatch(model: PreTrainedModel) -> str | None:
+def layout_mismatch(model: PreTrainedModel, autocast_bf16: bool = False) -> str | None:
     """None when ``model``'s hidden states over a packed stream with a shared prefix equal
-    its plain ones (on 30 tokens, in eval mode); otherwise why packing cannot be used."""
+    its plain ones (on 30 tokens, in eval mode, in fp32; under bf16 autocast, within bf16
+    rounding, where the trainer autocasts and the model's fp32 forward fails: transformers'
+    Qwen3.5 takes flash-linear-attention's fused Gated DeltaNet kernels where they are
+    installed, and those refuse fp32); otherwise why packing cannot be used."""
     config = model.config.get_text_config()
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation != TRAINER_ATTENTION:
@@ -245,32 +248,51 @@ def layout_mismatch(model: PreTrainedModel) -> str | None:
         [(13 * i + 4) % vocab for i in range(5)],
     ]
     samples = [_scored_everywhere(tokens) for tokens in token_lists]
-    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    error: Exception | None = None
     try:
-        with torch.no_grad():
-            plain = torch.cat(
-                [hidden_at_trained(model, collate(samples, [i], device)) for i in range(3)]
-            )
-            packed_batch = collate_packed(samples, [0, 1, 2], device, share_prefixes=True)
-            packed = hidden_at_trained(model, packed_batch)
-    except Exception as error:  # its forward rejects the layout
-        return f"its forward does not take a packed layout ({type(error).__name__}: {error})"
+        for autocast in (False, True)[: 1 + autocast_bf16]:  # under autocast if fp32 fails
+            try:
+                plain, packed = _plain_and_packed(model, samples, autocast)
+                break
+            except Exception as caught:  # its forward rejects the layout
+                error = caught
+        else:
+            return f"its forward does not take a packed layout ({type(error).__name__}: {error})"
     finally:
         model.train(was_training)
-    tolerance = 1e-4 if plain.dtype == torch.float32 else 3e-2
+    tolerance = 3e-2 if autocast or plain.dtype != torch.float32 else 1e-4
     if _relative_error(packed, plain) > tolerance:
         return "its hidden states over a packed stream differ from its plain ones"
     return None
 
 
-def choose_packing(model: PreTrainedModel, packing: bool, shared_prefix: bool) -> PackingMode:
+def _plain_and_packed(
+    model: PreTrainedModel, samples: list[TrainingSample], autocast_bf16: bool
+) -> tuple[Tensor, Tensor]:
+    """The trained positions' hidden states of ``samples`` as padded rows and as one stream."""
+    device = next(model.parameters()).device
+    with (
+        torch.no_grad(),
+        torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16),
+    ):
+        plain = torch.cat(
+            [hidden_at_trained(model, collate(samples, [i], device)) for i in range(3)]
+        )
+        packed_batch = collate_packed(samples, [0, 1, 2], device, share_prefixes=True)
+        return plain, hidden_at_trained(model, packed_batch)
+
+
+def choose_packing(
+    model: PreTrainedModel, packing: bool, shared_prefix: bool, autocast_bf16: bool = False
+) -> PackingMode:
     """The mode the settings ask for where ``layout_mismatch`` finds none; "off" (said once,
-    with the reason) where it finds one."""
+    with the reason) where it finds one. ``autocast_bf16``: the trainer computes under bf16
+    autocast."""
     if not packing:
         return "off"
-    reason = layout_mismatch(model)
+    reason = layout_mismatch(model, autocast_bf16)
     if reason is not None:
         log.warning(
             "trainer: packing is off for %s because %s; micro-batches are padded rows",

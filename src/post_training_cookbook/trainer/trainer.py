@@ -176,7 +176,10 @@ class Trainer:
         cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
         attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
         linear_attention.use_for(base)  # Gated DeltaNet over packed streams
-        self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix)
+        if autocast_bf16 is None:  # bf16 weights need no autocast
+            autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
+        self.autocast_bf16 = autocast_bf16
+        self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix, autocast_bf16)
         if tokenizer is None:
             tokenizer = load_tokenizer_if_any(model_path_or_model)
         self.tokenizer = tokenizer
@@ -194,9 +197,6 @@ class Trainer:
             )
             log.info("trainer: logprob_chunk_tokens=%d (auto)", logprob_chunk_tokens)
         self.logprob_chunk_tokens: int | None = logprob_chunk_tokens
-        if autocast_bf16 is None:  # bf16 weights need no autocast
-            autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
-        self.autocast_bf16 = autocast_bf16
         if micro_batch_tokens is None or gradient_checkpointing is None:
             bytes_ = 2 if autocast_bf16 or self.precision == "bf16" else 4
             plan = plan_memory(
@@ -222,8 +222,8 @@ class Trainer:
         """How far a packed stream may grow past ``micro_batch_tokens`` to keep samples that
         share a prefix together (``memory_plan.py``)."""
         scorer = functools.partial(
-            TokenLogprobs, route=choose_route(base), chunk_tokens=logprob_chunk_tokens,
-            autocast_bf16=autocast_bf16,
+            TokenLogprobs, route=choose_route(base, autocast_bf16),
+            chunk_tokens=logprob_chunk_tokens, autocast_bf16=autocast_bf16,
         )  # fmt: skip
         self._reference: TokenLogprobs | None = None
         if reference_model and not use_lora:
