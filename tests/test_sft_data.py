@@ -16,7 +16,12 @@ from post_training_cookbook.codecs import get_codec
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
 from post_training_cookbook.envs.tool_use_game.solver import GameSolver
 from post_training_cookbook.sft import SFTConfig, SFTDataError, read_conversations
-from post_training_cookbook.sft.data import Conversation, plan_batches, render_examples
+from post_training_cookbook.sft.data import (
+    Conversation,
+    plan_batches,
+    prompt_key,
+    render_examples,
+)
 from post_training_cookbook.sft.demonstrations import collect_demonstrations
 from post_training_cookbook.trainer.losses import BatchTotals, get_loss_fn
 from post_training_cookbook.trainer.types import LossConfig
@@ -201,6 +206,34 @@ def test_batches_keep_to_the_token_budget_and_depend_only_on_the_seed():
     assert sorted(i for batch in plan[:per_epoch] for i in batch) == list(range(len(lengths)))
     longer = plan_batches(lengths, 800, num_epochs=1, num_steps=len(plan) + 3, seed=3)
     assert len(longer) == len(plan) + 3 and longer[: len(plan)] == plan
+
+
+def test_batches_by_prompt_never_mix_prompts_and_still_cover_every_example_each_epoch():
+    lengths = [100, 300, 50, 700, 200, 120, 90, 400, 60, 80, 500]
+    prompts = ["a", "b", "a", "c", "b", "a", "c", "a", "b", "a", "c"]
+    plan = plan_batches(lengths, 800, num_epochs=3, num_steps=None, seed=1, prompts=prompts)
+    assert plan == plan_batches(lengths, 800, 3, None, seed=1, prompts=prompts)
+    for batch in plan:
+        assert len({prompts[i] for i in batch}) == 1
+        assert len(batch) == 1 or sum(lengths[i] for i in batch) <= 800
+    seen = [i for batch in plan for i in batch]
+    epochs = [seen[k * len(lengths) : (k + 1) * len(lengths)] for k in range(3)]
+    assert all(sorted(epoch) == list(range(len(lengths))) for epoch in epochs)
+    # each prompt's examples come together, in an order the seed shuffles
+    assert len({tuple(epoch) for epoch in epochs}) > 1
+    firsts = [[prompts[i] for i in epoch] for epoch in epochs]
+    assert all(f == sorted(f, key=lambda p: f.index(p)) for f in firsts)
+
+
+def test_the_prompt_key_is_the_tools_and_system_message():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    user = {"role": "user", "content": "hi"}
+    system = {"role": "system", "content": "be brief"}
+    key = prompt_key(Conversation([system, user], tools))
+    assert key == prompt_key(Conversation([system, {"role": "user", "content": "other"}], tools))
+    assert key != prompt_key(Conversation([user], tools))
+    assert key != prompt_key(Conversation([system, user], None))
+    assert key != prompt_key(Conversation([{"role": "system", "content": "be long"}, user], tools))
 
 
 def test_the_config_checks_its_fields_and_round_trips_through_yaml(tmp_path):

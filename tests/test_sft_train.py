@@ -143,3 +143,27 @@ def test_a_run_killed_mid_training_resumes_with_every_step_once(tiny_llama_dir, 
             if key in got:
                 assert got[key] == pytest.approx(want[key], rel=1e-5), (got["step"], key)
     AutoModelForCausalLM.from_pretrained(resumed.final_model_dir)
+
+
+def test_batches_by_prompt_forward_each_shared_system_prompt_once_a_step(tiny_llama_dir, tmp_path):
+    """Conversations under two long system prompts: grouped into batches by prompt, the
+    trainer forwards far fewer tokens for the same conversations and steps."""
+    train, _ = demonstration_files(tmp_path, num_train=12)
+    lines = [json.loads(line) for line in train.read_text().splitlines()]
+    prompts = [" ".join(f"rule {k} of {name}." for k in range(60)) for name in ("a", "b")]
+    for index, record in enumerate(lines):
+        record["messages"].insert(0, {"role": "system", "content": prompts[index % 2]})
+    mixed = tmp_path / "two_prompts.jsonl"
+    mixed.write_text("".join(json.dumps(record) + "\n" for record in lines))
+    forwarded, trained = {}, {}
+    for by_prompt in (False, True):
+        config = small_config(
+            tiny_llama_dir, tmp_path / "runs", f"by_prompt_{by_prompt}", num_steps=None,
+            batch_tokens=4000, batch_by_prompt=by_prompt, validation_interval=0,
+            checkpoint_interval=0, max_model_length=2048,
+        )  # fmt: skip
+        records = read_jsonl(train_sft(config, mixed).metrics_path)
+        forwarded[by_prompt] = sum(r["train/forwarded_tokens"] for r in records)
+        trained[by_prompt] = sum(r["train/trained_tokens"] for r in records)
+    assert trained[True] == trained[False]  # the same conversations, once each
+    assert forwarded[True] < 0.6 * forwarded[False]

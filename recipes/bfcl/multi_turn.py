@@ -165,8 +165,9 @@ def sft(out: Path) -> dict:
         model=str(qwen_coder_folder()),
         codec=QWEN_CODEC,
         max_model_length=EVAL["max_model_length"],
-        batch_tokens=16384,
-        num_epochs=1,  # 48 conversations of ~5.5k tokens
+        batch_tokens=23000,  # 4-5 conversations of one backend: ~7k tokens forwarded
+        batch_by_prompt=True,  # a backend's tool docs (3.7k-5k tokens) forwarded once a step
+        num_epochs=1,  # 48 conversations of 4-5.9k tokens
         gradient_checkpointing=True,  # without it one 8k micro-batch took 21.8 GB (OOM)
         learning_rate=2e-4,
         lr_schedule="cosine",

@@ -153,6 +153,7 @@ async def train(
         result = await service.forward_backward(batch.samples, steps.loss)
         optim = await service.optim_step(steps.learning_rate.at(step))
         metrics |= {"loss/loss": result.loss} | result.metrics | optim.metrics
+        metrics["train/forwarded_tokens"] = float(result.forwarded_tokens)
         trained = time.perf_counter()
         await service.weights_sync(steps.weight_sync_type)
         synced = time.perf_counter()

@@ -78,6 +78,9 @@ class SFTExample:
     mask: list[int]
     """1 on the trained tokens, 0 on context."""
     source: str = "<conversation>"
+    prompt: str = ""
+    """Its tools and system message (``prompt_key``): conversations with the same one
+    render the same prefix."""
 
     def training_sample(self) -> TrainingSample:
         zeros = [0.0] * len(self.tokens)
@@ -295,7 +298,9 @@ def render_examples(
             data.skipped_untrained.append(conversation.source)
             continue
         mask = [0, *mask[1:]]  # position 0 has no context to be predicted from
-        data.examples.append(SFTExample(tokens, mask, conversation.source))
+        data.examples.append(
+            SFTExample(tokens, mask, conversation.source, prompt_key(conversation))
+        )
     return data
 
 
@@ -374,13 +379,27 @@ def _last_turn_only(
 # ---------------------------------------------------------------- batches
 
 
+def prompt_key(conversation: Conversation) -> str:
+    """What a conversation's rendered prefix depends on before its first user turn."""
+    messages = conversation.messages
+    system = messages[0].get("content") if messages and messages[0]["role"] == "system" else None
+    return json.dumps([conversation.tools, system], sort_keys=True, ensure_ascii=False)
+
+
 def plan_batches(
-    lengths: Sequence[int], batch_tokens: int, num_epochs: int, num_steps: int | None, seed: int
+    lengths: Sequence[int],
+    batch_tokens: int,
+    num_epochs: int,
+    num_steps: int | None,
+    seed: int,
+    prompts: Sequence[str] | None = None,
 ) -> list[list[int]]:
     """Every optimizer step's example indices, fixed by the data and ``seed`` alone (so a
     resumed run takes up exactly where it stopped). Each epoch is a fresh shuffle, cut into
-    batches whose rendered lengths sum to at most ``batch_tokens``. With ``num_steps`` the
-    plan is cut there, or epochs are added until it is reached."""
+    batches whose rendered lengths sum to at most ``batch_tokens``. With ``prompts`` (each
+    example's ``prompt_key``) an epoch takes the prompts in the order their first example
+    comes in the shuffle, and a batch never holds two. With ``num_steps`` the plan is cut
+    there, or epochs are added until it is reached."""
     plan: list[list[int]] = []
     epoch = 0
     while (num_steps is None and epoch < num_epochs) or (
@@ -388,10 +407,18 @@ def plan_batches(
     ):
         order = list(range(len(lengths)))
         random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        if prompts is not None:
+            first = {
+                prompt: rank for rank, prompt in enumerate(dict.fromkeys(prompts[i] for i in order))
+            }
+            order.sort(key=lambda i: first[prompts[i]])  # stable: shuffled within a prompt
         batch: list[int] = []
         used = 0
         for index in order:
-            if batch and used + lengths[index] > batch_tokens:
+            new_prompt = (
+                prompts is not None and bool(batch) and prompts[index] != prompts[batch[-1]]
+            )
+            if batch and (used + lengths[index] > batch_tokens or new_prompt):
                 plan.append(batch)
                 batch, used = [], 0
             batch.append(index)

@@ -142,6 +142,7 @@ async def _train(
     plan = plan_batches(
         [len(example.tokens) for example in examples],
         config.batch_tokens, config.num_epochs, config.num_steps, config.seed,
+        [example.prompt for example in examples] if config.batch_by_prompt else None,
     )  # fmt: skip
     schedule = LearningRateSchedule(
         config.learning_rate, len(plan), config.warmup_steps, config.lr_schedule
@@ -179,6 +180,7 @@ async def _train(
             )
             optimized = await service.optim_step(schedule.at(step))
             metrics.update(_step_metrics(result.metrics, optimized.metrics, batch))
+            metrics["train/forwarded_tokens"] = float(result.forwarded_tokens)
             metrics.update({"time/train": time.perf_counter() - started})
             metrics["train/epoch"] = _epoch_of(plan, step, len(examples))
             log.record(step, metrics)

@@ -100,6 +100,7 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up
 ADAPTER_NAME = "default"  # peft's name for the single adapter get_peft_model creates
 # Router replay's counts, summed over micro-batches (and ranks) before they become a share.
 _ROUTED_OTHERWISE, _ROUTES_RECORDED = "router/_routed_otherwise", "router/_recorded"
+_FORWARDED = "train/_forwarded"
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +331,9 @@ class Trainer:
         total_loss = 0.0
         metric_sums: dict[str, float] = {}
         routed = [0, 0]  # router replay: tokens routed otherwise by our routers, recorded tokens
+        forwarded = 0  # token positions the model computed: padding in, shared prefixes once
         for batch in self._micro_batches(samples):
+            forwarded += (batch.packed or batch).input_ids.numel()
             reference = self._reference_logprobs(batch) if loss.kl_beta > 0 else None
             with self._checkpointing_for(batch), self._replaying(batch):
                 logprobs, entropy_sum = self._scorer(batch)
@@ -347,6 +350,7 @@ class Trainer:
             for key, mean in metrics.items():  # token-weighted, exact across micro-batches
                 metric_sums[key] = metric_sums.get(key, 0.0) + mean * tokens
         metric_sums[_ROUTED_OTHERWISE], metric_sums[_ROUTES_RECORDED] = map(float, routed)
+        metric_sums[_FORWARDED] = float(forwarded)
         if self._shards is not None:  # each rank's share of the batch loss and metrics
             total_loss, metric_sums = self._shards.sum_results(total_loss, metric_sums)
         self._has_grads = True
@@ -355,13 +359,14 @@ class Trainer:
             metric_sums.pop(_ROUTED_OTHERWISE),
             metric_sums.pop(_ROUTES_RECORDED),
         )
+        forwarded = int(metric_sums.pop(_FORWARDED))
         denominator = max(totals.num_tokens, 1e-8)
         metrics_out = {key: total / denominator for key, total in metric_sums.items()}
         if self._replay is not None:
             metrics_out["router/disagreement"] = routed_otherwise / max(recorded, 1.0)
             metrics_out["router/replayed_tokens"] = recorded
         num_tokens = sum(s.num_trained_tokens for s in samples)
-        return ForwardBackwardResult(total_loss, metrics_out, num_tokens)
+        return ForwardBackwardResult(total_loss, metrics_out, num_tokens, forwarded)
 
     def optim_step(self, learning_rate: float) -> OptimStepResult:
         """Clip gradients, apply AdamW at ``learning_rate`` and bump the version; skip the

@@ -115,6 +115,10 @@ class ForwardBackwardResult:
     metrics: dict[str, float] = field(default_factory=dict)
     num_tokens: int = 0
     """Trained (mask > 0) tokens in the batch."""
+    forwarded_tokens: int = 0
+    """Token positions the model computed: padding counts, a prefix that samples in one
+    micro-batch share counts once. Unlike ``metrics``, it depends on the layout: against
+    the samples' own lengths it shows what padding cost and prefix sharing saved."""
 
 
 @dataclass(frozen=True)
