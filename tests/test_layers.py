@@ -246,6 +246,16 @@ def test_no_circle_of_imports_runs_through_two_folders() -> None:
     assert_only_known(circles(package_imports()), KNOWN_CIRCLES, "circling through")
 
 
+def test_the_loops_stand_on_runs_not_on_each_other() -> None:
+    """SFT and GRPO are siblings: what a run is (its folder, its config's rules) is ``runs/``."""
+    across = [
+        f"{short(each.importer)} -> {short(each.imported)}"
+        for each in package_imports()
+        if {unit_of(each.importer), unit_of(each.imported)} == {"sft/", "grpo/"}
+    ]
+    assert not across, across
+
+
 def test_the_checker_parses_imports_it_must_refuse() -> None:
     """The check is not vacuous: the parser sees lazy imports inside functions and modules
     imported by name."""

@@ -106,3 +106,13 @@ def test_run_folder_names_of_grpo_runs_warn_and_give_the_runs_ones(name: str) ->
         moved = getattr(runs, name)
     assert moved is getattr(directory, name)
     assert issubclass(runs.RunDirectory, directory.RunDirectory)  # with GRPOConfig's config.yaml
+
+
+@pytest.mark.parametrize("name", ["raise_if_any", "matches", "folder_name", "at_least"])
+def test_generic_config_rules_of_grpo_validation_warn_and_give_the_runs_ones(name: str) -> None:
+    from post_training_cookbook.grpo import validation
+    from post_training_cookbook.runs import config
+
+    with pytest.warns(DeprecationWarning, match=f"grpo.validation.{name} moved"):
+        moved = getattr(validation, name)
+    assert moved is getattr(config, name)
