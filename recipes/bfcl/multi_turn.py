@@ -6,8 +6,10 @@
     python recipes/bfcl/multi_turn.py OUT_DIR --seed 1        # a second GRPO seed
 
 Model: Qwen2.5-Coder-0.5B-Instruct, whose weights here are a dequantised Q4_K_M GGUF
-(``qwen_coder.py``). Stages, each in a fresh process and resumable (``recipes/stages.py``;
-GRPO and SFT resume from their own checkpoints):
+(``qwen_coder.py``); every stage but ``zero_shot`` starts from it with its untrained
+tool-call tag rows initialised (``qwen_coder_tagged_folder``). Stages, each in a fresh
+process and resumable (``recipes/stages.py``; GRPO and SFT resume from their own
+checkpoints):
 
 1. ``demos``: the train split's ground truth played through ``BFCLMultiTurnEnv`` (every
    conversation checked valid by BFCL's checker) as SFT data;
@@ -34,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from qwen_coder import QWEN_CODEC, qwen_coder_folder
+from qwen_coder import QWEN_CODEC, qwen_coder_folder, qwen_coder_tagged_folder
 from stages import stages_main
 
 from post_training_cookbook.envs.bfcl.multi_turn_data import (
@@ -151,18 +153,18 @@ def zero_shot(out: Path) -> dict:
 
 
 def eval_base(out: Path) -> dict:
-    return _multi_turn(str(qwen_coder_folder()), out, "base", "held_out")
+    return _multi_turn(str(qwen_coder_tagged_folder()), out, "base", "held_out")
 
 
 def bfcl_base(out: Path) -> dict:
-    return _bfcl(str(qwen_coder_folder()), out, "base")
+    return _bfcl(str(qwen_coder_tagged_folder()), out, "base")
 
 
 def sft(out: Path) -> dict:
     from post_training_cookbook.sft import SFTConfig, train_sft
 
     config = SFTConfig(
-        model=str(qwen_coder_folder()),
+        model=str(qwen_coder_tagged_folder()),
         codec=QWEN_CODEC,
         max_model_length=EVAL["max_model_length"],
         batch_tokens=23000,  # 4-5 conversations of one backend: ~7k tokens forwarded
@@ -209,6 +211,10 @@ def grpo(out: Path) -> dict:
         max_model_length=EVAL["max_model_length"],
         max_tokens_per_turn=EVAL["max_tokens_per_turn"],
         learning_rate=5e-5,
+        # RL moves few directions: rank 8 (SFT's scale alpha/r = 2) keeps a checkpoint at 53 MB,
+        # small enough to carry a run across sessions in the repo (``restore.py``)
+        lora_rank=8,
+        lora_alpha=16,
         gradient_checkpointing=True,  # SFT without it took 21.8 GB on one 8k micro-batch
         turn_rewards="per_step",
         max_sampling_attempts=3,

