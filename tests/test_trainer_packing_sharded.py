@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawned_ranks import spawn_ranks
 from test_trainer_packing import group_samples, moved_weights, tiny_model
 
 from post_training_cookbook.trainer.packing import (
     split_packed_across_ranks,
     stream_tokens,
 )
-from post_training_cookbook.trainer.sharded import TrainerGroup
+from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
