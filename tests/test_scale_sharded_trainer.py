@@ -285,7 +285,7 @@ def variant_settings(variant: str) -> TrainerSettings:
 
 def two_process_step(model: Path, variant: str, folder: Path) -> dict[str, Any]:
     out = folder / "rank0.pt"
-    spawn_ranks(variant_rank, (str(model), variant, str(out)))
+    spawn_ranks(variant_rank, (str(model), variant, str(out)), nprocs=2)
     result: dict[str, Any] = torch.load(out, weights_only=False)
     return result
 
