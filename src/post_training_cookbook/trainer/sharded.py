@@ -361,11 +361,13 @@ class Shards:
 
         Destroying a process group does not stop gloo's worker and I/O threads, nor rank 0's
         store server, while anything still holds the group, and FSDP's state on the model
-        and DTensor's sharding caches do. Left running, they meet interpreter exit and the
-        C++ runtime's teardown in whatever order those go: spawned rank sets exiting so died
-        of SIGABRT ("terminate called without an active exception") about once in 150, the
-        likely cause (``scripts/spawn_loop.py`` counts clean ones in a row). A barrier
-        first, so that no rank closes its connections while another still uses them."""
+        and DTensor's sharding caches do. Left running into interpreter exit, a gloo worker
+        thread that drops its last finished work there frees a Python object (the work's
+        saved thread-local state), takes the GIL, and is ended by the finalizing interpreter
+        (``pthread_exit``) inside a C++ destructor: SIGABRT, "terminate called without an
+        active exception", about one spawned rank set in 150 (a core's backtrace). A
+        barrier first, so that no rank closes its connections while another still uses
+        them."""
         if not dist.is_initialized():
             return
         try:
