@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ import torch
 import torch.multiprocessing as mp
 import transformers
 
-from post_training_cookbook.trainer.sharded import TrainerGroup
+from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
@@ -111,7 +110,7 @@ def trainer_options(options: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def rank_main(rank: int, world_size: int, address: str, options: dict[str, Any], out: str) -> None:
+def rank_main(rank: int, address: str, world_size: int, options: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)
     group = TrainerGroup(rank, world_size, address, timeout_s=600)
     trainer = Trainer(options["model"], **trainer_options(options), group=group)
@@ -120,11 +119,8 @@ def rank_main(rank: int, world_size: int, address: str, options: dict[str, Any],
 
 
 def run_sharded(world_size: int, options: dict[str, Any], folder: Path) -> list[dict[str, Any]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{probe.getsockname()[1]}"
     out = str(folder / f"workers{world_size}")
-    mp.spawn(rank_main, args=(world_size, address, options, out), nprocs=world_size)
+    spawn_ranks(rank_main, (world_size, options, out), nprocs=world_size)
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(world_size)]
 
 

@@ -24,7 +24,6 @@ from post_training_cookbook.distill import (
     distill_batch,
 )
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
-from post_training_cookbook.grpo.advantages import TrainingBatch
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
@@ -78,15 +77,14 @@ def test_another_teachers_advantage_is_the_per_token_reverse_kl_on_sampled_token
     student, teacher_trainer = make_trainer(False), make_trainer(False, tiny_model(seed=5))
     teacher = LocalTeacher("tiny-5", teacher_trainer)
     samples = make_samples(count=4, advantage=0.25)
-    batch = TrainingBatch(samples, num_groups=1, zero_variance_groups=0, masked_episodes=0)
     settings = DistillSettings(coef=0.5, env_advantage=True)
     distilled, metrics = asyncio.run(
-        distill_batch(batch, teacher, TrainerForward(student), settings)
+        distill_batch(samples, teacher, TrainerForward(student), settings)
     )
     student_rows, teacher_rows = student.forward(samples), teacher_trainer.forward(samples)
     gaps = []
     for sample, out, s_row, t_row in zip(
-        samples, distilled.samples, student_rows, teacher_rows, strict=True
+        samples, distilled, student_rows, teacher_rows, strict=True
     ):
         for position, mask in enumerate(sample.mask):
             expected = sample.advantages[position]
@@ -140,22 +138,21 @@ def test_an_endpoint_teacher_through_our_serve_scores_as_the_local_teacher(
 def test_a_teacher_that_cannot_be_reached_follows_env_errors() -> None:
     student = make_trainer(False)
     samples = make_samples(count=3, advantage=1.0)
-    batch = TrainingBatch(samples, num_groups=1, zero_variance_groups=0, masked_episodes=0)
 
-    async def distil(env_errors: str) -> tuple[TrainingBatch, dict[str, float]]:
+    async def distil(env_errors: str) -> tuple[list[TrainingSample], dict[str, float]]:
         teacher = EndpointTeacher(
             "http://127.0.0.1:9/v1", model="m", timeout_s=0.5, retries=1
         )  # port 9 (discard): nothing listens
         settings = DistillSettings(env_errors=env_errors, sequences_per_call=2)  # type: ignore[arg-type]
         try:
-            return await distill_batch(batch, teacher, TrainerForward(student), settings)
+            return await distill_batch(samples, teacher, TrainerForward(student), settings)
         finally:
             await teacher.close()
 
     with pytest.raises(TeacherError, match="after 2 attempts"):
         asyncio.run(distil("raise"))
     kept, metrics = asyncio.run(distil("truncate"))
-    assert kept.samples == [] and metrics["distill/teacher_failed_samples"] == 3.0
+    assert kept == [] and metrics["distill/teacher_failed_samples"] == 3.0
 
 
 def _scoring() -> Any:

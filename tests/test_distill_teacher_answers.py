@@ -18,7 +18,6 @@ from test_serve_common import Scripted, ScriptedEndpoint
 
 from post_training_cookbook.distill import DistillSettings, EndpointTeacher, distill_batch
 from post_training_cookbook.distill.teacher import TeacherCallError, TeacherError
-from post_training_cookbook.grpo.advantages import TrainingBatch
 from post_training_cookbook.trainer.types import TrainingSample
 
 TOKENS = [5, 6, 7, 8]
@@ -36,15 +35,14 @@ def answer_with(value: str) -> bytes:
     return f'{{"choices": [{{"index": 0, "prompt_logprobs": [null, {entries}]}}]}}'.encode()
 
 
-def distil(raw: bytes, env_errors: str) -> tuple[TrainingBatch, dict[str, float]]:
+def distil(raw: bytes, env_errors: str) -> tuple[list[TrainingSample], dict[str, float]]:
     endpoint = ScriptedEndpoint([Scripted(raw=raw)], path="/v1/completions")
-    batch = TrainingBatch([SAMPLE], num_groups=1, zero_variance_groups=0, masked_episodes=0)
 
-    async def run() -> tuple[TrainingBatch, dict[str, float]]:
+    async def run() -> tuple[list[TrainingSample], dict[str, float]]:
         teacher = EndpointTeacher(endpoint.base_url, model="m", retries=0)
         settings = DistillSettings(env_errors=env_errors, sequences_per_call=1)  # type: ignore[arg-type]
         try:
-            return await distill_batch(batch, teacher, ZeroStudent(), settings)  # type: ignore[arg-type]
+            return await distill_batch([SAMPLE], teacher, ZeroStudent(), settings)  # type: ignore[arg-type]
         finally:
             await teacher.close()
 
@@ -56,7 +54,7 @@ def distil(raw: bytes, env_errors: str) -> tuple[TrainingBatch, dict[str, float]
 
 def assert_dropped_and_counted(raw: bytes, named: str) -> None:
     kept, metrics = distil(raw, "truncate")
-    assert kept.samples == [], "a bad teacher answer was trained on"
+    assert kept == [], "a bad teacher answer was trained on"
     assert metrics["distill/teacher_failed_samples"] == 1.0
     assert metrics["distill/teacher_malformed_samples"] == 1.0
     with pytest.raises(TeacherError, match=named):
@@ -77,7 +75,7 @@ def test_a_teacher_log_probability_not_finite_or_out_of_range_is_never_trained_o
 def test_a_teacher_log_probability_in_range_is_trained_on() -> None:
     kept, metrics = distil(answer_with("-1.5"), "raise")
     assert metrics["distill/teacher_malformed_samples"] == 0.0
-    assert kept.samples[0].advantages == [0.0, 0.0, -1.5, -1.5]  # −(0 − (−1.5)) on each
+    assert kept[0].advantages == [0.0, 0.0, -1.5, -1.5]  # −(0 − (−1.5)) on each
 
 
 def choice(entries: Any, **fields: Any) -> dict[str, Any]:

@@ -358,7 +358,7 @@ def pause_in_checkpoint(monkeypatch: Any, where: str, flag: Path) -> None:
     """Make the run stop inside one checkpoint's save, write ``flag`` and wait there to be
     killed: ``files:<step>`` once the trainer's files are written (the loop's are not),
     ``rename:<step>`` once the checkpoint is complete, before it takes its final name."""
-    from post_training_cookbook.grpo.runs import RunDirectory
+    from post_training_cookbook.runs.directory import RunDirectory  # every loop's
 
     point, _, step = where.partition(":")
     partial_name = f"step_{int(step):06d}.partial"

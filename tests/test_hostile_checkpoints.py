@@ -22,8 +22,8 @@ from test_grpo_resume_files import (
 )
 
 from post_training_cookbook.files import BadFileError
-from post_training_cookbook.grpo.run_checks import MANIFEST
 from post_training_cookbook.grpo.runs import RunDirectory
+from post_training_cookbook.runs.checks import MANIFEST
 
 
 @pytest.fixture(autouse=True)

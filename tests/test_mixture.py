@@ -26,10 +26,10 @@ from post_training_cookbook.envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry, env_name
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
 from post_training_cookbook.grpo.data import MixtureStream, TaskStream, task_stream
-from post_training_cookbook.grpo.reporting import WandbLogger
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.plots import plot_run
 from post_training_cookbook.rollout import Episode, Group, per_env_metrics
+from post_training_cookbook.runs.reporting import WandbLogger
 from post_training_cookbook.viewer import format_step, load_step, render_html
 
 WEIGHTS = {"game": 1.0, "calculator": 2.0, "notes": 5.0}

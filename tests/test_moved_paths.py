@@ -85,3 +85,34 @@ def test_modules_with_moved_names_still_refuse_unknown_ones(old_module: str) -> 
     module = importlib.import_module(f"post_training_cookbook.{old_module}")
     with pytest.raises(AttributeError, match="NoSuchThing"):
         module.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize(("old", "new"), [("run_checks", "checks"), ("reporting", "reporting")])
+def test_old_grpo_run_modules_are_the_runs_modules_and_warn(old: str, new: str) -> None:
+    old_path = f"post_training_cookbook.grpo.{old}"
+    new_path = f"post_training_cookbook.runs.{new}"
+    sys.modules.pop(old_path, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old_path} moved to {new_path}")):
+        module = importlib.import_module(old_path)
+    assert module is importlib.import_module(new_path)
+
+
+@pytest.mark.parametrize("name", ["LoopState", "RunConfig", "resume_from_checkpoint"])
+def test_run_folder_names_of_grpo_runs_warn_and_give_the_runs_ones(name: str) -> None:
+    from post_training_cookbook.grpo import runs
+    from post_training_cookbook.runs import directory
+
+    with pytest.warns(DeprecationWarning, match=f"grpo.runs.{name} moved"):
+        moved = getattr(runs, name)
+    assert moved is getattr(directory, name)
+    assert issubclass(runs.RunDirectory, directory.RunDirectory)  # with GRPOConfig's config.yaml
+
+
+@pytest.mark.parametrize("name", ["raise_if_any", "matches", "folder_name", "at_least"])
+def test_generic_config_rules_of_grpo_validation_warn_and_give_the_runs_ones(name: str) -> None:
+    from post_training_cookbook.grpo import validation
+    from post_training_cookbook.runs import config
+
+    with pytest.warns(DeprecationWarning, match=f"grpo.validation.{name} moved"):
+        moved = getattr(validation, name)
+    assert moved is getattr(config, name)

@@ -249,3 +249,33 @@ def test_a_failed_build_warns_once_and_falls_back(
         assert native_kernels() is None  # remembered: no second attempt, no second warning
     warnings = [r for r in caplog.records if "native decode kernels unavailable" in r.message]
     assert len(warnings) == 1
+
+
+_LOAD = (
+    "import sys; from post_training_cookbook.engine.native import native_kernels; "
+    "sys.exit(0 if native_kernels() is not None else 3)"
+)
+
+
+@pytest.mark.heavy  # one build of the kernels in a folder of its own (~30-60 s)
+def test_a_build_killed_midway_does_not_leave_later_engines_waiting(tmp_path: Path) -> None:
+    """torch marks a build with a ``lock`` file and waits while one exists: the file a killed
+    build leaves must not stop the next process, which loads the library without rebuilding."""
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "TORCH_EXTENSIONS_DIR": str(tmp_path),
+        "POST_TRAINING_COOKBOOK_NATIVE": "1",
+    }
+    first = subprocess.run([sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-2000:]
+    (folder,) = [p for p in tmp_path.rglob("post_training_cookbook_decode_*") if p.is_dir()]
+    (folder / "lock").touch()  # what a build killed between its start and its end leaves
+    again = subprocess.run(
+        [sys.executable, "-c", _LOAD], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "building the native decode kernels" not in again.stderr  # the library was reused
+    assert not (folder / "lock").exists()

@@ -32,7 +32,6 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from spawned_ranks import spawn_ranks
 from test_scale_common import FP32_BOUND, max_abs_diff, scale
 from transformers import AutoModelForCausalLM
 
@@ -41,7 +40,7 @@ from post_training_cookbook.files import BadFileError
 from post_training_cookbook.models.catalog import resolve_model
 from post_training_cookbook.service import ray_startup
 from post_training_cookbook.service.ray import RayModelService, WorkerDiedError
-from post_training_cookbook.trainer.sharded import TrainerGroup
+from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
@@ -286,7 +285,7 @@ def variant_settings(variant: str) -> TrainerSettings:
 
 def two_process_step(model: Path, variant: str, folder: Path) -> dict[str, Any]:
     out = folder / "rank0.pt"
-    spawn_ranks(variant_rank, (str(model), variant, str(out)))
+    spawn_ranks(variant_rank, (str(model), variant, str(out)), nprocs=2)
     result: dict[str, Any] = torch.load(out, weights_only=False)
     return result
 

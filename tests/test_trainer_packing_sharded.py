@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawned_ranks import spawn_ranks
 from test_trainer_packing import group_samples, moved_weights, tiny_model
 
 from post_training_cookbook.trainer.packing import (
     split_packed_across_ranks,
     stream_tokens,
 )
-from post_training_cookbook.trainer.sharded import TrainerGroup
+from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
@@ -88,7 +87,7 @@ def _step(trainer: Trainer) -> tuple[float, float, list[list[float]]]:
 def test_two_sharded_ranks_with_packing_take_the_step_of_one_plain_process(
     mode: str, lora: bool, tmp_path: Path
 ) -> None:
-    spawn_ranks(_rank, (mode, lora, str(tmp_path)))
+    spawn_ranks(_rank, (mode, lora, str(tmp_path)), nprocs=2)
     gathered = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
     plain = _trainer("off", None, lora)
     assert plain.packing_mode == "off"

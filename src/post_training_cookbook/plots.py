@@ -47,7 +47,7 @@ def read_metrics(run_dir: str | os.PathLike[str]) -> list[Metrics]:
     if not path.is_file():
         raise ValueError(f"{run_dir} has no metrics.jsonl: not a run directory")
     by_step: dict[int, Metrics] = {}
-    from post_training_cookbook.grpo.run_checks import metric_steps
+    from post_training_cookbook.runs.checks import metric_steps
 
     metric_steps(path)  # a garbled line is an error naming it (a last line cut short is not)
     text = path.read_bytes().decode("utf-8", errors="replace")

@@ -32,7 +32,6 @@ from post_training_cookbook.distill.teacher import (
     TeacherCallError,
     TeacherError,
 )
-from post_training_cookbook.grpo.advantages import TrainingBatch
 from post_training_cookbook.rollout.types import EnvErrorPolicy
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.trainer.types import TrainingSample
@@ -54,15 +53,19 @@ class DistillSettings:
 
 
 async def distill_batch(
-    batch: TrainingBatch, teacher: Teacher, service: ModelService, settings: DistillSettings
-) -> tuple[TrainingBatch, dict[str, float]]:
-    """The batch with the teacher's advantages added, and the phase's metrics."""
-    if not batch.samples:
-        return batch, {}
+    batch: Sequence[TrainingSample],
+    teacher: Teacher,
+    service: ModelService,
+    settings: DistillSettings,
+) -> tuple[list[TrainingSample], dict[str, float]]:
+    """The samples with the teacher's advantages added (those of a failed teacher call left
+    out), and the phase's metrics."""
+    if not batch:
+        return list(batch), {}
     started = time.perf_counter()
-    chunks = _chunks(batch.samples, settings.sequences_per_call)
+    chunks = _chunks(list(batch), settings.sequences_per_call)
     student_rows, *teacher_answers = await asyncio.gather(
-        service.forward(batch.samples),
+        service.forward(list(batch)),
         *(teacher.score(chunk) for chunk in chunks),
         return_exceptions=True,
     )
@@ -92,7 +95,7 @@ async def distill_batch(
         "distill/teacher_malformed_samples": float(malformed),
         "time/teacher": time.perf_counter() - started,
     }
-    return replace(batch, samples=samples), metrics
+    return samples, metrics
 
 
 def _distilled(

@@ -57,20 +57,20 @@ def is_endpoint(source: str) -> bool:
     return source.startswith(("http://", "https://"))
 
 
-def teacher_model_info(source: str) -> ModelInfo:
+def teacher_model_info(source: str, config_type: Any = None) -> ModelInfo:
     """The catalog entry of a local teacher (a run or checkpoint: its base model's), from
-    metadata alone."""
-    from post_training_cookbook.evaluation.models import resolve_eval_model
+    metadata alone. ``config_type``: the class a run's config.yaml is read with (the loop's)."""
+    from post_training_cookbook.runs.models import resolve_eval_model
 
-    return resolve_eval_model(source).tokenizer_info
+    return resolve_eval_model(source, config_type=config_type).tokenizer_info
 
 
-def check_same_tokenizer(student: ModelInfo, teacher_source: str) -> None:
+def check_same_tokenizer(student: ModelInfo, teacher_source: str, config_type: Any = None) -> None:
     """Refuse a local teacher whose tokenizer is not the student's, naming both, before any
     weights load: its log-probabilities would be of other tokens."""
     from post_training_cookbook.models.loading import load_tokenizer
 
-    teacher = teacher_model_info(teacher_source)
+    teacher = teacher_model_info(teacher_source, config_type)
     ours, theirs = load_tokenizer(student), load_tokenizer(teacher)
     if _tokenizer_identity(ours) != _tokenizer_identity(theirs):
         raise ValueError(
@@ -124,11 +124,12 @@ class LocalTeacher:
         self._lock = threading.Lock()  # one forward at a time on the one model
 
     @classmethod
-    def load(cls, source: str, scoring: ScoringSettings) -> LocalTeacher:
-        from post_training_cookbook.evaluation.models import load_eval_weights, resolve_eval_model
+    def load(cls, source: str, scoring: ScoringSettings, config_type: Any = None) -> LocalTeacher:
+        """``config_type``: the class a run's config.yaml is read with (the loop's)."""
+        from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
         from post_training_cookbook.trainer.trainer import Trainer
 
-        weights = load_eval_weights(resolve_eval_model(source))
+        weights = load_eval_weights(resolve_eval_model(source, config_type=config_type))
         trainer = Trainer(
             weights,
             use_lora=False,  # autocast_bf16 as the student's trainer decides it
@@ -151,8 +152,9 @@ class LocalTeacher:
         self._trainer.close()
 
 
-async def open_teacher(spec: TeacherSpec, student: str) -> Teacher:
-    """The run's teacher: an endpoint for an ``http(s)://`` URL, else a local model."""
+async def open_teacher(spec: TeacherSpec, student: str, config_type: Any = None) -> Teacher:
+    """The run's teacher: an endpoint for an ``http(s)://`` URL, else a local model (a run's
+    config.yaml read with ``config_type``, the loop's config class)."""
     if spec.is_endpoint:
         from post_training_cookbook.distill.endpoint import EndpointTeacher
 
@@ -166,7 +168,7 @@ async def open_teacher(spec: TeacherSpec, student: str) -> Teacher:
             max_response_bytes=spec.max_response_bytes,
             student=student,
         )
-    return await asyncio.to_thread(LocalTeacher.load, spec.source, spec.scoring)
+    return await asyncio.to_thread(LocalTeacher.load, spec.source, spec.scoring, config_type)
 
 
 TEACHER_API_KEY_ENV = "TEACHER_API_KEY"

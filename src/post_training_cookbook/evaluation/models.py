@@ -1,172 +1,19 @@
-"""What ``evaluate`` scores: a catalog id, a local Hugging Face folder, or a run's weights.
-
-A run directory (``runs/<run_name>``, with its ``config.yaml``) gives its ``final_model``, or
-with ``step=N`` its training checkpoint ``checkpoints/step_<N>``. A checkpoint folder can
-also be named directly. A training checkpoint holds only the trainable weights (the LoRA
-adapter, or every weight), so it is applied to the base model named in the run's
-``config.yaml`` and sampled with merged weights, once its files match the sha256 its
-``manifest.json`` lists (as on resume). Both keep the base model's catalog entry (codec,
-codec options, default dtype), so a run's model renders prompts exactly as the run did.
-"""
+"""What ``evaluate`` scores: a catalog id, a local Hugging Face folder, or a GRPO run's weights
+(``runs/models.py``, with a run's config.yaml read as a ``GRPOConfig``)."""
 
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass, replace
-from pathlib import Path, PurePath
-from typing import TYPE_CHECKING
 
 from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.grpo.run_checks import check_manifest
-from post_training_cookbook.models.catalog import ModelInfo, resolve_model
+from post_training_cookbook.runs import models
+from post_training_cookbook.runs.models import CHECKPOINT_MARKER, EvalModel, load_eval_weights
 
-if TYPE_CHECKING:
-    import torch
-    from torch import Tensor
-    from transformers import PreTrainedModel
-
-CHECKPOINT_MARKER = "trainer_state.json"
-
-
-@dataclass(frozen=True)
-class EvalModel:
-    name: str
-    """Short and folder-safe: ``tool-use-tiny``, ``<run_name>``, ``<run_name>-step2``."""
-    info: ModelInfo
-    """The catalog entry (codec, context, dtype); for a run, its base model's."""
-    weights_dir: Path | None = None
-    """A run's ``final_model``: loaded instead of ``info.source``'s weights."""
-    checkpoint: Path | None = None
-    """A training checkpoint applied on top of ``info.source``'s weights."""
-    run_config: GRPOConfig | None = None
-    """The run's config, when the model comes from a run directory."""
-
-    @property
-    def weights_info(self) -> ModelInfo:
-        if self.weights_dir is None:
-            return self.info
-        return replace(self.info, model_id=str(self.weights_dir), source=str(self.weights_dir))
-
-    @property
-    def tokenizer_info(self) -> ModelInfo:
-        """The final model's folder when it holds a tokenizer (it does when the base had one)."""
-        if self.weights_dir is not None and (self.weights_dir / "tokenizer_config.json").is_file():
-            return self.weights_info
-        return self.info
-
-    @property
-    def source(self) -> str:
-        """Where the weights come from, for reports."""
-        return str(self.checkpoint or self.weights_dir or self.info.source)
-
-    @property
-    def dtype(self) -> str:
-        """The run's dtype, or the model's default (float32 for the bundled model)."""
-        if self.run_config is not None and self.run_config.dtype is not None:
-            return self.run_config.dtype
-        return self.info.default_dtype
+__all__ = ["CHECKPOINT_MARKER", "EvalModel", "load_eval_weights", "resolve_eval_model"]
 
 
 def resolve_eval_model(
     model: str | os.PathLike[str], *, step: int | None = None, codec: str | None = None
 ) -> EvalModel:
     """Decide what to load from metadata alone; ``ValueError`` says what is wrong."""
-    path = Path(model).expanduser()
-    if (path / CHECKPOINT_MARKER).is_file():
-        if step is not None:
-            raise ValueError(f"{path} is a checkpoint folder already: drop step={step}")
-        return _from_checkpoint(path, codec)
-    if (path / "config.yaml").is_file() and not (path / "config.json").is_file():
-        return _from_run(path, step, codec)
-    if step is not None:
-        raise ValueError(
-            f"step={step} needs a run directory (a folder with config.yaml), got {str(model)!r}"
-        )
-    info = resolve_model(str(model), codec=codec)
-    return EvalModel(_short_name(info.model_id), info)
-
-
-def load_eval_weights(model: EvalModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """The weights to sample with, in ``dtype`` (default fp32), a training checkpoint
-    merged in."""
-    import torch
-
-    from post_training_cookbook.models.loading import load_model
-
-    weights = load_model(model.weights_info, dtype or torch.float32)
-    if model.checkpoint is not None:
-        weights.load_state_dict(_checkpoint_weights(model), strict=False)
-    return weights
-
-
-def _checkpoint_weights(model: EvalModel) -> dict[str, Tensor]:
-    """The checkpoint's trainable weights; ``BadFileError`` naming a file whose bytes are not
-    those its manifest lists (garbled in place, same size), as on resume."""
-    from post_training_cookbook.trainer.trainer import Trainer
-
-    assert model.checkpoint is not None and model.run_config is not None
-    check_manifest(model.checkpoint)
-    config = model.run_config
-    trainer = Trainer(
-        model.info.source,
-        use_lora=config.use_lora,
-        lora_rank=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        autocast_bf16=False,
-        device="cpu",
-    )
-    trainer.load_training_checkpoint(model.checkpoint, load_optimizer=False)
-    return dict(trainer.state_dict_for_inference())
-
-
-def _from_run(run: Path, step: int | None, codec: str | None) -> EvalModel:
-    config, base = _run_base(run, codec)
-    if step is not None:
-        checkpoint = run / "checkpoints" / f"step_{step:06d}"
-        if not (checkpoint / CHECKPOINT_MARKER).is_file():
-            raise ValueError(f"run {run} has no checkpoint for step {step}; {_steps_note(run)}")
-        return EvalModel(f"{run.name}-step{step}", base, checkpoint=checkpoint, run_config=config)
-    final = run / "final_model"
-    if not (final / "config.json").is_file():
-        raise ValueError(
-            f"run {run} has no final_model yet (still training, or stopped early): "
-            f"pass a step; {_steps_note(run)}"
-        )
-    resolve_model(str(final), codec=codec or config.codec)  # its files read back (BadFileError)
-    return EvalModel(run.name, base, weights_dir=final, run_config=config)
-
-
-def _from_checkpoint(checkpoint: Path, codec: str | None) -> EvalModel:
-    run = checkpoint.resolve().parent.parent
-    if not (run / "config.yaml").is_file():
-        raise ValueError(
-            f"{checkpoint} is a training checkpoint outside a run directory: its base model "
-            f"is named in the run's config.yaml, expected at {run / 'config.yaml'}"
-        )
-    config, base = _run_base(run, codec)
-    match = re.fullmatch(r"step_(\d+)", checkpoint.name)
-    suffix = f"-step{int(match.group(1))}" if match else f"-{checkpoint.name}"
-    return EvalModel(_short_name(run.name) + suffix, base, checkpoint=checkpoint, run_config=config)
-
-
-def _run_base(run: Path, codec: str | None) -> tuple[GRPOConfig, ModelInfo]:
-    config = GRPOConfig.from_yaml(run / "config.yaml")
-    return config, resolve_model(config.model, codec=codec or config.codec)
-
-
-def _steps_note(run: Path) -> str:
-    folder = run / "checkpoints"
-    steps = sorted(
-        int(match.group(1))
-        for path in (folder.iterdir() if folder.is_dir() else [])
-        if (match := re.fullmatch(r"step_(\d+)", path.name))
-        and (path / CHECKPOINT_MARKER).is_file()
-    )
-    return f"checkpoints: {', '.join(map(str, steps))}" if steps else "it has no checkpoints"
-
-
-def _short_name(model_id: str) -> str:
-    name = PurePath(model_id.rstrip("/")).name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
+    return models.resolve_eval_model(model, step=step, codec=codec, config_type=GRPOConfig)

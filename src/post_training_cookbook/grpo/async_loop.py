@@ -52,13 +52,14 @@ from post_training_cookbook.grpo.lockstep import (
     train,
     validation_phase,
 )
-from post_training_cookbook.grpo.runs import LoopState, Run
+from post_training_cookbook.grpo.runs import Run
 from post_training_cookbook.grpo.settings import StepSettings
 from post_training_cookbook.rollout import (
     Episode,
     Group,
     check_rollouts_usable,
 )
+from post_training_cookbook.runs.directory import LoopState
 
 
 @dataclass

@@ -18,11 +18,10 @@ dataclass of 87 fields, each documented once, right under it (a test keeps the c
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from functools import cache
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
@@ -31,58 +30,64 @@ from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnR
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
     FITS_CONTEXT,
-    IN_0_1,
     IN_0_1_CLOSED,
     IN_FLIGHT_NEEDS_ASYNC,
     IN_UNIT_INTERVAL,
-    RAY_ADDRESS_NEEDS_RAY,
     TEACHER_MODEL_RULE,
     TEACHER_RESPONSE_RULE,
     TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
     a_temperature,
-    admits_float,
-    at_least,
-    at_most,
-    at_most_field,
     deferred_sync_needs_async,
-    device_name,
-    device_on_local,
     discount_needs_per_step,
     endpoint_teacher,
-    folder_name,
-    gpus_on_ray,
     groups_in_flight_bound,
-    holds,
     is_async,
-    is_int,
     loss_settings_valid,
-    matches,
     needs_teacher,
-    non_negative,
-    on_ray,
     one_vllm_engine_per_process,
-    only_when,
     only_with_dr_grpo,
     pipeline_needs_full_weight,
-    positive,
-    raise_if_any,
     replay_needs_torch_engine,
-    resume_needs_run_name,
-    setting,
-    sharded_trainer_on_ray,
     teacher_source,
     tensor_parallel_fits,
     torch_engine_only,
     transport_on_ray,
-    type_problem,
-    unknown_key,
-    value_problems,
     vllm_only,
 )
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.rollout.types import EnvErrorPolicy
+from post_training_cookbook.runs.config import (
+    IN_0_1,
+    RAY_ADDRESS_NEEDS_RAY,
+    ConfigYamlLoader,
+    Dtype,
+    LRSchedule,
+    admits_float,
+    at_least,
+    at_most,
+    at_most_field,
+    device_name,
+    device_on_local,
+    folder_name,
+    gpus_on_ray,
+    holds,
+    is_int,
+    matches,
+    model_short_name,
+    non_negative,
+    on_ray,
+    only_when,
+    positive,
+    raise_if_any,
+    resume_needs_run_name,
+    setting,
+    sharded_trainer_on_ray,
+    type_problem,
+    unknown_key,
+    value_problems,
+)
 from post_training_cookbook.service.types import (
     Backend,
     GenerationEngine,
@@ -96,9 +101,6 @@ if TYPE_CHECKING:
     from os import PathLike
 
 __all__ = ["GRPOConfig", "WeightSyncType"]
-
-LRSchedule = Literal["constant", "linear", "cosine"]
-Dtype = Literal["float32", "bfloat16"]
 
 
 @dataclass(frozen=True)
@@ -459,7 +461,7 @@ class GRPOConfig:
         if self.run_name is not None:
             return self.run_name
         stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
-        return f"grpo-{_model_short_name(self.model)}-{stamp}"
+        return f"grpo-{model_short_name(self.model)}-{stamp}"
 
     def with_resolved_run_name(self, now: datetime | None = None) -> GRPOConfig:
         """This config with ``run_name`` fixed. The loop calls it once and writes the result
@@ -547,18 +549,6 @@ class GRPOConfig:
 _YAML_HEADER = "# GRPOConfig: load with GRPOConfig.from_yaml; fields in docs/grpo_config.md\n"
 
 
-class ConfigYamlLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, which also reads ``1e-5`` as a float. YAML 1.1 wants a dot
-    (``1.0e-5``), so a learning rate written the usual way would load as a string."""
-
-
-ConfigYamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
 @cache
 def _field_types() -> dict[str, Any]:
     return get_type_hints(GRPOConfig)
@@ -566,9 +556,3 @@ def _field_types() -> dict[str, Any]:
 
 def _plain(value: object) -> object:
     return value.name if isinstance(value, enum.Enum) else value
-
-
-def _model_short_name(model: str) -> str:
-    """The last part of a model id or folder, safe in a folder name."""
-    name = PurePath(model.rstrip("/")).name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"

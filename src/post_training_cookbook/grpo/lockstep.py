@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from post_training_cookbook.distill.advantages import distill_batch
 from post_training_cookbook.engine.types import SamplingParams
@@ -35,7 +35,7 @@ from post_training_cookbook.grpo.advantages import (
     is_informative,
 )
 from post_training_cookbook.grpo.data import TaskSource, task_stream
-from post_training_cookbook.grpo.runs import LoopState, Run
+from post_training_cookbook.grpo.runs import Run
 from post_training_cookbook.grpo.settings import StepSettings, ValidationSettings
 from post_training_cookbook.grpo.turn_metrics import per_turn_metrics
 from post_training_cookbook.rollout import (
@@ -47,6 +47,7 @@ from post_training_cookbook.rollout import (
     per_env_metrics,
     play_groups,
 )
+from post_training_cookbook.runs.directory import LoopState
 from post_training_cookbook.service.base import ModelService
 
 
@@ -138,7 +139,8 @@ async def distill_phase(run: Run, batch: TrainingBatch) -> tuple[TrainingBatch, 
     distill = run.settings.steps.distill
     if run.teacher is None or distill is None:
         return batch, {}
-    return await distill_batch(batch, run.teacher, run.service, distill)
+    samples, metrics = await distill_batch(batch.samples, run.teacher, run.service, distill)
+    return replace(batch, samples=samples), metrics
 
 
 async def train(

@@ -7,48 +7,20 @@ below the loop reads the config itself.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from post_training_cookbook.distill.advantages import DistillSettings
 from post_training_cookbook.distill.teacher import ScoringSettings, TeacherSpec, is_endpoint
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
-from post_training_cookbook.grpo.config import GRPOConfig, LRSchedule
+from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.validation import loss_config_of
 from post_training_cookbook.models.catalog import ModelInfo, check_codec_options, default_engine
 from post_training_cookbook.rollout import EpisodeLimits
+from post_training_cookbook.runs.config import LearningRateSchedule
 from post_training_cookbook.service.factory import ServiceSpec
 from post_training_cookbook.service.types import VLLMSettings, WeightSyncType
 from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
-
-_SHAPES: dict[str, Callable[[float], float]] = {
-    "constant": lambda progress: 1.0,
-    "linear": lambda progress: 1.0 - progress,
-    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
-}
-"""Learning-rate multiplier after warmup, by schedule, at progress in [0, 1]."""
-
-
-@dataclass(frozen=True)
-class LearningRateSchedule:
-    peak: float
-    num_steps: int
-    warmup_steps: int = 0
-    shape: LRSchedule = "constant"
-
-    def at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (counted from 0). The first
-        ``warmup_steps`` steps ramp linearly up to ``peak``; ``shape`` then runs over the
-        remaining steps, towards 0 at ``num_steps``."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        if step < self.warmup_steps:
-            return self.peak * (step + 1) / self.warmup_steps
-        decay_steps = max(1, self.num_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
-        return self.peak * _SHAPES[self.shape](progress)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,7 @@ from post_training_cookbook.files import commit_folder, partial_folder
 from post_training_cookbook.grpo.async_loop import run_async
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.lockstep import run_lockstep, validation_phase
-from post_training_cookbook.grpo.reporting import ConsoleProgress, RunLog, WandbLogger
-from post_training_cookbook.grpo.runs import LoopState, Run, RunDirectory, resume_from_checkpoint
+from post_training_cookbook.grpo.runs import Run, RunDirectory
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.models.availability import check_router_replay, require_weights
 from post_training_cookbook.models.catalog import (
@@ -36,6 +35,8 @@ from post_training_cookbook.models.catalog import (
 )
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
 from post_training_cookbook.rollout import EpisodeRunner, EpisodesInFlight, check_episode_inputs
+from post_training_cookbook.runs.directory import LoopState, resume_from_checkpoint
+from post_training_cookbook.runs.reporting import ConsoleProgress, RunLog, WandbLogger
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import check_service_spec, open_service
 from post_training_cookbook.sync import run_sync
@@ -112,7 +113,7 @@ def _checked(
     if config.router_replay:
         check_router_replay(info.model_id, weights)
     if settings.teacher is not None and not settings.teacher.is_endpoint:
-        check_same_tokenizer(info, settings.teacher.source)  # before any weights load
+        check_same_tokenizer(info, settings.teacher.source, GRPOConfig)  # before any weights load
     return config, settings
 
 
@@ -178,7 +179,7 @@ async def open_run(
             opened.push_async_callback(service.close)
         teacher: Teacher | None = None
         if settings.teacher is not None:
-            teacher = await open_teacher(settings.teacher, student=model.model_id)
+            teacher = await open_teacher(settings.teacher, model.model_id, GRPOConfig)
             opened.push_async_callback(teacher.close)
         resumed: LoopState | None = None
         notes: list[str] = []

@@ -1,79 +1,21 @@
-"""How ``GRPOConfig`` states and checks its rules: a field declares its own rules with
-``setting(default, *rules)``, and every rule is a small function of the config that returns
-a problem (a sentence naming the field) or None.
-
-The config collects every problem of every field, plus the type problems, and raises them in
-one ``ValueError``, so a user fixes a config in one go.
-"""
+"""GRPO's own config rules: the ones that read ``GRPOConfig``'s fields, and the words of the
+simple ones. How a rule is stated and checked (``setting``, the generic rules, the type
+checks, ``raise_if_any``) is every loop's, in ``runs/config.py``."""
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import math
-import re
-import types
-from collections.abc import Callable
-from pathlib import PurePath
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any
 
+from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.runs.config import (
+    Rule,
+    on_ray,
+)
 from post_training_cookbook.service.types import VLLM_RECORDS_NO_ROUTES, WeightSyncType
 from post_training_cookbook.trainer.types import LossConfig
 
 if TYPE_CHECKING:
     from post_training_cookbook.grpo.config import GRPOConfig
-
-Rule = Callable[[Any, str, Any], str | None]
-"""(config, field name, value) → the problem, or None when the rule holds."""
-
-
-def setting(default: Any, *rules: Rule) -> Any:
-    """A config field with its default and the rules its value must keep."""
-    return dataclasses.field(default=default, metadata={"rules": rules})
-
-
-def field_rules(field: dataclasses.Field[Any]) -> tuple[Rule, ...]:
-    return tuple(field.metadata.get("rules", ()))
-
-
-def value_problems(config: Any) -> list[str]:
-    """Every rule of every field of a config dataclass (``GRPOConfig``, ``SFTConfig``) that
-    its value breaks, after the rules for every field of a kind: floats are finite, strings
-    are not empty."""
-    problems = []
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{f.name} must be a finite number, got {value}")
-            continue
-        if isinstance(value, str) and not value.strip():
-            problems.append(f"{f.name} must not be empty (use None where that is allowed)")
-        problems += [p for rule in field_rules(f) if (p := rule(config, f.name, value))]
-    return problems
-
-
-def at_least(minimum: int, why: str = "", *, or_none: bool = False) -> Rule:
-    def rule(config: Any, name: str, value: Any) -> str | None:
-        # A string is one of the field's literals ("auto"): its type check said so.
-        if value is None or isinstance(value, str) or value >= minimum:
-            return None
-        problem = f"{name} must be >= {minimum}{' or None' if or_none else ''}, got {value}"
-        return f"{problem}: {why}" if why else problem
-
-    return rule
-
-
-def at_most(maximum: int, why: str) -> Rule:
-    def rule(config: Any, name: str, value: Any) -> str | None:
-        if value is None or value <= maximum:
-            return None
-        return f"{name} must be <= {maximum}, got {value}: {why}"
-
-    return rule
-
-
-def positive(config: Any, name: str, value: Any) -> str | None:
-    return None if value is None or value > 0 else f"{name} must be > 0, got {value}"
 
 
 def a_temperature(config: Any, name: str, value: Any) -> str | None:
@@ -107,41 +49,6 @@ def groups_in_flight_bound(config: GRPOConfig, name: str, value: Any) -> str | N
     )
 
 
-def non_negative(config: Any, name: str, value: Any) -> str | None:
-    return None if value >= 0 else f"{name} must be >= 0, got {value}"
-
-
-def holds(predicate: Callable[[Any], bool], problem: str) -> Rule:
-    """A rule on the value alone; ``problem`` is formatted with ``name`` and ``value``."""
-
-    def rule(config: Any, name: str, value: Any) -> str | None:
-        return None if predicate(value) else problem.format(name=name, value=value)
-
-    return rule
-
-
-def at_most_field(other: str, advice: str, *, strictly: bool = False) -> Rule:
-    """The value must be <= (or, ``strictly``, <) the value of field ``other``."""
-
-    def rule(config: Any, name: str, value: Any) -> str | None:
-        limit = getattr(config, other)
-        if value < limit or (value == limit and not strictly):
-            return None
-        relation = "<" if strictly else "<="
-        return f"{name} ({value}) must be {relation} {other} ({limit}){advice}"
-
-    return rule
-
-
-def only_when(condition: Callable[[Any], bool], problem: str) -> Rule:
-    """A value other than the default (None) needs ``condition`` of the config to hold."""
-
-    def rule(config: Any, name: str, value: Any) -> str | None:
-        return None if value is None or condition(config) else problem
-
-    return rule
-
-
 # ---------------------------------------------------------------- GRPOConfig's own rules
 # The rules that read other fields, and the words of the simple ones.
 
@@ -150,7 +57,6 @@ WHY_GROUP = (
     "nothing to learn from"
 )
 WHY_OFF_POLICY = "None keeps lockstep; 0 admits only groups started under the current policy"
-IN_0_1 = "{name} must be in [0, 1), got {value}"
 IN_0_1_CLOSED = "{name} must be in (0, 1] or None, got {value}"
 IN_UNIT_INTERVAL = "{name} must be in [0, 1], got {value}"
 TOP_P = "{name} must be in [1e-6, 1], got {value}; 1 turns it off"
@@ -160,8 +66,6 @@ IN_FLIGHT_NEEDS_ASYNC = (
     "groups_in_flight applies only to async training: set max_steps_off_policy (e.g. 1) or "
     "leave groups_in_flight=None"
 )
-RAY_ADDRESS_NEEDS_RAY = 'ray_address applies only to backend="ray"'
-DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 _DEFERRED_SYNC = (
     WeightSyncType.WEIGHT_SYNC_TYPE_BACKGROUND_PUBLISH,
     WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE,
@@ -170,10 +74,6 @@ _DEFERRED_SYNC = (
 
 def is_async(config: GRPOConfig) -> bool:
     return config.max_steps_off_policy is not None
-
-
-def on_ray(config: GRPOConfig) -> bool:
-    return config.backend == "ray"
 
 
 def loss_settings_valid(config: GRPOConfig, name: str, value: Any) -> str | None:
@@ -264,36 +164,6 @@ def replay_needs_torch_engine(config: GRPOConfig, name: str, value: Any) -> str 
     return VLLM_RECORDS_NO_ROUTES if value and config.generation_engine == "vllm" else None
 
 
-def device_name(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if DEVICE_PATTERN.fullmatch(value):
-        return None
-    return f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}"
-
-
-def device_on_local(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if value == "auto" or not on_ray(config):
-        return None
-    return (
-        'device applies to backend="local"; Ray actors compute on the GPUs Ray gives them '
-        "(num_gpus_per_trainer, num_gpus_per_generator)"
-    )
-
-
-def gpus_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if not value or on_ray(config):
-        return None
-    return f'{name} applies to backend="ray"; with backend="local" set device instead'
-
-
-def sharded_trainer_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if value == 1 or on_ray(config):
-        return None
-    return (
-        f'num_trainer_workers={value} needs backend="ray": a sharded trainer is one process a '
-        'worker, started by Ray; backend="local" trains in this process'
-    )
-
-
 def transport_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
     if value == "auto":
         return None
@@ -338,30 +208,6 @@ def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | Non
     )
 
 
-def resume_needs_run_name(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if not value or config.run_name is not None:
-        return None
-    return (
-        "resume=True needs run_name: name the run to continue (its folder under "
-        f"{config.runs_dir!r})"
-    )
-
-
-def folder_name(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if value is not None and not value.isprintable():
-        return f"run_name must be printable (no control characters such as NUL), got {value!r}"
-    # An empty name is reported by the generic not-empty rule.
-    if (
-        value is None
-        or not value.strip()
-        or (PurePath(value).name == value and value not in (".", ".."))
-    ):
-        return None
-    return (
-        f"run_name must be a single folder name, got {value!r}; set runs_dir for the parent folder"
-    )
-
-
 def loss_config_of(config: GRPOConfig) -> LossConfig:
     """The loss fields as the trainer's ``LossConfig``."""
     return LossConfig(
@@ -377,65 +223,35 @@ def loss_config_of(config: GRPOConfig) -> LossConfig:
 # ---------------------------------------------------------------- types
 
 
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_RUNS:
+        return moved_name(__name__, name, "post_training_cookbook.runs.config")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def admits_float(hint: Any) -> bool:
-    return hint is float or float in get_args(hint)
-
-
-def matches(value: object, hint: Any) -> bool:
-    """Whether ``value`` fits the annotation ``hint`` (the few kinds fields use)."""
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return any(matches(value, arg) for arg in get_args(hint))
-    if origin is Literal:
-        return isinstance(value, str) and value in get_args(hint)
-    if hint is type(None):
-        return value is None
-    if hint is float:
-        return is_int(value) or isinstance(value, float)
-    if hint is int:
-        return is_int(value)
-    return isinstance(value, hint)
-
-
-def type_problem(name: str, hint: Any, value: object) -> str:
-    problem = f"{name} must be {_describe(hint)}, got {type(value).__name__} {value!r}"
-    choices = _literal_choices(hint)
-    if isinstance(value, str) and choices:
-        close = difflib.get_close_matches(value, choices, n=1)
-        if close:
-            problem += f" (did you mean {close[0]!r}?)"
-    return problem
-
-
-def unknown_key(key: object, names: list[str], config_name: str = "GRPOConfig") -> str:
-    close = difflib.get_close_matches(str(key), names, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown {config_name} key {key!r}{hint}"
-
-
-def raise_if_any(problems: list[str], config_name: str = "GRPOConfig") -> None:
-    if len(problems) == 1:
-        raise ValueError(f"{config_name}: {problems[0]}")
-    if problems:
-        raise ValueError(f"{config_name}:\n- " + "\n- ".join(problems))
-
-
-def _describe(hint: Any) -> str:
-    origin = get_origin(hint)
-    if origin in (Union, types.UnionType):
-        return " or ".join(_describe(arg) for arg in get_args(hint))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(arg) for arg in get_args(hint))
-    if hint is type(None):
-        return "None"
-    return str(getattr(hint, "__name__", hint))
-
-
-def _literal_choices(hint: Any) -> list[str]:
-    if get_origin(hint) is Literal:
-        return [str(arg) for arg in get_args(hint)]
-    return [choice for arg in get_args(hint) for choice in _literal_choices(arg)]
+_MOVED_TO_RUNS = {
+    "DEVICE_PATTERN",
+    "IN_0_1",
+    "RAY_ADDRESS_NEEDS_RAY",
+    "admits_float",
+    "at_least",
+    "at_most",
+    "at_most_field",
+    "device_name",
+    "device_on_local",
+    "field_rules",
+    "folder_name",
+    "gpus_on_ray",
+    "holds",
+    "is_int",
+    "matches",
+    "non_negative",
+    "only_when",
+    "positive",
+    "raise_if_any",
+    "resume_needs_run_name",
+    "sharded_trainer_on_ray",
+    "type_problem",
+    "unknown_key",
+    "value_problems",
+}

@@ -413,9 +413,11 @@ class RayModelService(ModelService):
         return f"{name} (pid {info['pid']} on {info['host']})"
 
     async def close(self) -> None:
-
+        """Finalise every actor, then kill it: trainer ranks leave their process group (its
+        threads end before the kill, ``Trainer.close``), generators close their engines. One
+        that fails or takes over a minute is killed anyway."""
         await asyncio.gather(*self._publishing, return_exceptions=True)
-        closing = [g.close.remote() for g in self._generators]
+        closing = [a.close.remote() for a in [*self._trainers, *self._generators]]
         await asyncio.wait([asyncio.ensure_future(_awaited(c)) for c in closing], timeout=60)
         stop_actors(self._actors)
 

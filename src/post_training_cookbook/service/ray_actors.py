@@ -25,7 +25,12 @@ import torch
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams, WeightsMode
 from post_training_cookbook.service.types import GenerationEngine
 from post_training_cookbook.service.weight_broadcast import WeightGroup
-from post_training_cookbook.trainer.sharded import TrainerGroup, full_tensor
+from post_training_cookbook.trainer.sharded import (
+    Rendezvous,
+    TrainerGroup,
+    full_tensor,
+    serve_rendezvous,
+)
 from post_training_cookbook.trainer.trainer import ADAPTER_NAME, Trainer
 from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
@@ -41,29 +46,30 @@ def process_identity() -> dict[str, Any]:
     return {"pid": os.getpid(), "host": socket.gethostname()}
 
 
-def free_address() -> str:
-    """``host:port`` of a port free now on this node (the race until it is bound is small)."""
+def serve_rendezvous_here(timeout_s: float) -> Rendezvous:
+    """A TCP store served on this node's address (``sharded.serve_rendezvous``)."""
     import ray
 
-    host = ray.util.get_node_ip_address()
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return f"{host}:{probe.getsockname()[1]}"
+    return serve_rendezvous(ray.util.get_node_ip_address(), timeout_s)
 
 
 class TrainerWorker:
     def __init__(
         self, source: str, settings: TrainerSettings, rank: int = 0, world_size: int = 1
     ) -> None:
-        """Nothing loads yet: ``start`` builds the trainer (rank 0 first says where the
-        ranks meet, ``free_address``)."""
+        """Nothing loads yet: ``start`` builds the trainer (rank 0 first serves where the
+        ranks meet, ``serve_rendezvous``)."""
         self.source, self.settings = source, settings
         self.rank, self.world_size = rank, world_size
         self.trainer: Trainer
         self._weight_group: WeightGroup | None = None
+        self._rendezvous: list[Rendezvous] = []
 
-    def free_address(self) -> str:
-        return free_address()
+    def serve_rendezvous(self, timeout_s: float) -> str:
+        """Rank 0: serve a store for a group to meet at, for as long as this actor lives; its
+        address (the port bound before anyone knows it)."""
+        self._rendezvous.append(serve_rendezvous_here(timeout_s))
+        return self._rendezvous[-1].address
 
     def start(self, address: str | None, timeout_s: float) -> dict[str, Any]:
         """Build the trainer; with several ranks, join them at ``address`` (rank 0's) first."""
@@ -79,7 +85,7 @@ class TrainerWorker:
 
     def open_weight_group(self, address: str, size: int, timeout_s: float, device: str) -> None:
         """Rank 0: serve and join the weight-publication group (``weight_broadcast``)."""
-        self._weight_group = WeightGroup(address, 0, size, timeout_s, device)
+        self._weight_group = WeightGroup(address, 0, size, timeout_s, device, serve=False)
 
     def broadcast_weights(self, dtype: str) -> int:
         """Send the merged weights in ``dtype`` to the generators (rank 0; the other ranks
@@ -142,7 +148,13 @@ class TrainerWorker:
         self.trainer.save_inference_checkpoint(Path(path))
 
     def close(self) -> None:
-        self.trainer.close()
+        """Leave the process group (every rank is asked at once) before the actor is killed,
+        so its threads end here, not in a process torn down mid-way."""
+        trainer: Trainer | None = getattr(self, "trainer", None)  # None: never started
+        if trainer is not None:
+            trainer.close()
+        self._weight_group = None  # its gloo group's threads end with it
+        self._rendezvous.clear()
 
 
 @dataclass(frozen=True)
@@ -299,4 +311,5 @@ class GeneratorWorker:
         return dict(to_metrics()) if to_metrics else dict(asdict(snapshot))
 
     async def close(self) -> None:
+        self._weight_group = None  # its gloo group's threads end with it
         await self.engine.close()

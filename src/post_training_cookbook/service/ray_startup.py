@@ -163,7 +163,7 @@ async def _start(
     )
     actors.generators = [generator.remote(engine, i) for i in range(layout.num_generator_replicas)]
     rank0 = actors.trainers[0]
-    address = await rank0.free_address.remote() if ranks > 1 else None
+    address = await rank0.serve_rendezvous.remote(collective_timeout_s) if ranks > 1 else None
     starting: list[Awaitable[dict[str, Any]]] = [
         t.start.remote(address, collective_timeout_s) for t in actors.trainers
     ]
@@ -171,7 +171,7 @@ async def _start(
     actors.workers = list(await asyncio.gather(*starting))
     if weight_group_timeout_s is not None:
         size, device = 1 + len(actors.generators), layout.weight_device
-        address = await rank0.free_address.remote()
+        address = await rank0.serve_rendezvous.remote(weight_group_timeout_s)
         await asyncio.gather(
             rank0.open_weight_group.remote(address, size, weight_group_timeout_s, device),
             *(

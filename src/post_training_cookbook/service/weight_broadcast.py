@@ -33,16 +33,24 @@ class WeightGroup:
     """This process's membership of the weight-publication group."""
 
     def __init__(
-        self, address: str, rank: int, size: int, timeout_s: float, device: str = "cpu"
+        self,
+        address: str,
+        rank: int,
+        size: int,
+        timeout_s: float,
+        device: str = "cpu",
+        serve: bool = True,
     ) -> None:
-        """Join the group (rank 0 serves its store at ``address``, ``host:port``); returns
-        once all ``size`` members joined, or raises after ``timeout_s``."""
+        """Join the group at its store, ``address`` (``host:port``), served by rank 0 as it
+        joins, or already (``serve=False``: ``sharded.serve_rendezvous``); returns once all
+        ``size`` members joined, or raises after ``timeout_s``."""
         host, _, port = address.rpartition(":")
         keep_on_loopback(address)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank = rank
         self.device = torch.device(device)
-        self._store = dist.TCPStore(host, int(port), size, rank == 0, timeout=timeout)
+        serves = serve and rank == 0
+        self._store = dist.TCPStore(host, int(port), size, serves, timeout=timeout)
         store = dist.PrefixStore("weights", self._store)
         self._group: Any  # a c10d backend (its stubs lack broadcast, which it has)
         if self.device.type == "cuda":  # untested here: no GPU (docs/scale_out.md)

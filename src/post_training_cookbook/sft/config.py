@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
 
-from post_training_cookbook.grpo.config import ConfigYamlLoader, Dtype, LRSchedule
-from post_training_cookbook.grpo.config import _model_short_name as model_short_name
-from post_training_cookbook.grpo.validation import (
+from post_training_cookbook.models import BUNDLED_MODEL_ID
+from post_training_cookbook.runs.config import (
     IN_0_1,
     RAY_ADDRESS_NEEDS_RAY,
+    ConfigYamlLoader,
+    Dtype,
+    LRSchedule,
     admits_float,
     at_least,
     at_most,
@@ -33,6 +35,7 @@ from post_training_cookbook.grpo.validation import (
     holds,
     is_int,
     matches,
+    model_short_name,
     non_negative,
     on_ray,
     only_when,
@@ -45,7 +48,6 @@ from post_training_cookbook.grpo.validation import (
     unknown_key,
     value_problems,
 )
-from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.service.types import Backend
 from post_training_cookbook.trainer.types import Precision
 

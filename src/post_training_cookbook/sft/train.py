@@ -28,9 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from post_training_cookbook.files import commit_folder, partial_folder, write_text_atomic
-from post_training_cookbook.grpo.reporting import ConsoleProgress, RunLog, WandbLogger
-from post_training_cookbook.grpo.runs import LoopState, RunDirectory, resume_from_checkpoint
-from post_training_cookbook.grpo.settings import LearningRateSchedule
 from post_training_cookbook.models.availability import require_weights
 from post_training_cookbook.models.catalog import (
     ModelInfo,
@@ -39,6 +36,9 @@ from post_training_cookbook.models.catalog import (
     resolve_model,
 )
 from post_training_cookbook.models.loading import load_codec
+from post_training_cookbook.runs.config import LearningRateSchedule
+from post_training_cookbook.runs.directory import LoopState, RunDirectory, resume_from_checkpoint
+from post_training_cookbook.runs.reporting import ConsoleProgress, RunLog, WandbLogger
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, check_service_spec, open_service
 from post_training_cookbook.sft.config import SFTConfig
@@ -59,8 +59,8 @@ DATA_SUMMARY = "data.json"
 
 
 class SFTRunDirectory(RunDirectory):
-    """A GRPO run's folder layout, with an ``SFTConfig`` in config.yaml (rollouts/ stays
-    empty)."""
+    """The run folder every loop writes, with an ``SFTConfig`` in config.yaml (rollouts/
+    stays empty)."""
 
     config_type = SFTConfig
 

@@ -29,6 +29,11 @@ rank differs from one process:
 - **Checkpoints**: ``sharded_checkpoints`` (``torch.distributed.checkpoint``).
 - **Timeouts.** The group is created with ``timeout_s``: joining it, and every collective
   after, raises instead of waiting longer for a rank that is gone.
+- **Meeting.** The ranks meet at a TCP store (``TrainerGroup.address``). Whoever starts the
+  ranks serves it first on a port the OS picks (``serve_rendezvous``) and hands out its
+  address once bound: a port probed free, closed, and bound later by rank 0 can be taken by
+  another process in between.
+- **Closing** (``Shards.close``) ends the group's threads before it returns, not at exit.
 
 Backends: gloo on CPU, NCCL on CUDA (each rank on the one GPU it sees).
 """
@@ -36,22 +41,33 @@ Backends: gloo on CPU, NCCL on CUDA (each rank on the one GPU it sees).
 from __future__ import annotations
 
 import datetime
+import gc
+import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from post_training_cookbook.batching import length_groups
 from post_training_cookbook.trainer import checkpoints
 from post_training_cookbook.trainer.logprobs import MicroBatch, TokenLogprobs, collate
 from post_training_cookbook.trainer.packing import collate_packed, split_packed_across_ranks
 from post_training_cookbook.trainer.types import PackingMode, TrainingSample
+
+log = logging.getLogger(__name__)
+
+CLOSE_BARRIER_S = 30.0
+"""How long a closing rank waits for the others to close too (gloo), before it leaves alone."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +77,13 @@ class TrainerGroup:
     rank: int
     world_size: int
     address: str
-    """``host:port`` where rank 0 serves the rendezvous (``init_process_group``'s TCP store)."""
+    """``host:port`` of the rendezvous (the process group's TCP store)."""
     timeout_s: float = 600.0
     """Joining, and every collective after, raises once it has waited this long."""
+    serve: bool = False
+    """False: the store is served at ``address`` already (``serve_rendezvous``), every rank
+    connects to it. True: rank 0 serves it when it joins, so the port must still be free
+    then (a port fixed by the deployment)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -96,6 +116,34 @@ def split_across_ranks(
         plans.append([sorted(share[i] for i in group) for group in groups])
     count = max(1, *(len(plan) for plan in plans))
     return [plan + [[]] * (count - len(plan)) for plan in plans]
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """A TCP store being served, and where: the ranks meet there while this object lives."""
+
+    store: dist.TCPStore
+    address: str
+
+
+def serve_rendezvous(host: str, timeout_s: float) -> Rendezvous:
+    """Serve a store on ``host`` at a port the OS picks as it binds (port 0), so the port is
+    held from before its address is known to anyone."""
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    return Rendezvous(store, f"{host}:{store.port}")
+
+
+def spawn_ranks(
+    fn: Callable[..., None], args: tuple[Any, ...], nprocs: int, timeout_s: float = 600.0
+) -> None:
+    """Run ``fn(rank, address, *args)`` in ``nprocs`` fresh processes (``mp.spawn``), the
+    ranks of one group on this machine: ``address`` is a loopback store served here while they
+    run (``TrainerGroup(rank, nprocs, address)``). Each rank closes its trainer itself."""
+    rendezvous = serve_rendezvous("127.0.0.1", timeout_s)
+    mp.spawn(fn, args=(rendezvous.address, *args), nprocs=nprocs)
 
 
 def keep_on_loopback(address: str) -> None:
@@ -155,13 +203,15 @@ class Shards:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         keep_on_loopback(group.address)
+        host, _, port = group.address.rpartition(":")
+        timeout = datetime.timedelta(seconds=group.timeout_s)
+        serves = group.serve and group.rank == 0
+        store = dist.TCPStore(host, int(port), group.world_size, serves, timeout=timeout)
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://{group.address}",
-            rank=group.rank,
-            world_size=group.world_size,
-            timeout=datetime.timedelta(seconds=group.timeout_s),
-        )
+            self.backend, store=store, rank=group.rank, world_size=group.world_size,
+            timeout=timeout,
+        )  # fmt: skip
         self._root: FSDPModule | None = None
         self._groups: list[tuple[FSDPModule, list[str]]] = []
 
@@ -306,8 +356,47 @@ class Shards:
                 module.reshard()
 
     def close(self) -> None:
-        if dist.is_initialized():
+        """Leave the group, every rank together, and end its threads before returning (call
+        it once nothing holds the sharded model: ``Trainer.close``).
+
+        Destroying a process group does not stop gloo's worker and I/O threads, nor rank 0's
+        store server, while anything still holds the group, and FSDP's state on the model
+        and DTensor's sharding caches do. Left running into interpreter exit, a gloo worker
+        thread that drops its last finished work there frees a Python object (the work's
+        saved thread-local state), takes the GIL, and is ended by the finalizing interpreter
+        (``pthread_exit``) inside a C++ destructor: SIGABRT, "terminate called without an
+        active exception", about one spawned rank set in 150 (a core's backtrace). A
+        barrier first, so that no rank closes its connections while another still uses
+        them."""
+        if not dist.is_initialized():
+            return
+        try:
+            self._barrier()
+        except RuntimeError as error:  # a rank gone or stuck: leave alone
+            log.warning("sharded trainer rank %d closes without the others: %s", self.rank, error)
+        finally:
             dist.destroy_process_group()
+            self._root, self._groups = None, []
+            _release_device_meshes()
+
+    def _barrier(self) -> None:
+        if self.backend == "gloo":  # bounded: a rank that never closes is named, not waited on
+            seconds = min(self.timeout_s, CLOSE_BARRIER_S)
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=seconds))
+        else:
+            dist.barrier()
+
+
+def _release_device_meshes() -> None:
+    """Drop the process groups every device mesh holds: DTensor's caches (sharding rules,
+    redistribution plans, mesh topology) keep meshes alive for the life of the process, and a
+    mesh holds its groups."""
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    gc.collect()  # FSDP's hooks hold the model in reference cycles
+    # type(), not isinstance: some torch objects warn when asked their __class__
+    for mesh in (o for o in gc.get_objects() if issubclass(type(o), DeviceMesh)):
+        mesh._pg_registry.clear()
 
 
 def _groups_by_module(

@@ -471,9 +471,15 @@ class Trainer:
         return held_bytes(self._model, self._optimizer)
 
     def close(self) -> None:
-        """Leave the process group (sharded); nothing to do for one process."""
-        if self._shards is not None:
-            self._shards.close()
+        """Sharded: leave the process group, its threads ended before this returns (the
+        trainer is unusable after; ``Shards.close``). Nothing to do for one process."""
+        if self._shards is None:
+            return
+        # The sharded model's FSDP state holds the process group: dropped first, so the
+        # group goes with it (a caller still holding the model keeps it until exit).
+        for name in ("_model", "_causal_lm", "_scorer", "_reference", "_optimizer", "_replay"):
+            self.__dict__.pop(name, None)
+        self._shards.close()
 
     # ------------------------------------------------------------ internals
 

@@ -7,6 +7,14 @@ default ``~/.cache/torch_extensions``); later processes on the machine load the 
 library in well under a second. The build is tuned to the CPU it runs on (``-march=native``),
 so the folder name carries a digest of the source, torch's version and the CPU's flags.
 
+Two things torch's loader does not survive are handled here. It rebuilds when the source's
+path changes, so two checkouts of the package on one machine would rebuild each other's
+library: the source is compiled from a copy in the build folder, one path for all. And it
+marks a build in progress with a ``lock`` file that every other process waits on for as long
+as it exists, so a build killed midway (a test run stopped, a job preempted) left every later
+engine on the machine waiting forever: builds here hold an ``flock`` instead (the kernel
+releases it when its holder dies) and, holding it, remove a ``lock`` file left behind.
+
 When the kernels cannot be built (no compiler, a sandbox without ``/tmp``, an unusual
 platform) it returns None, once logging why, and the engine decodes with torch's ops
 instead: slower, same numbers up to rounding. ``POST_TRAINING_COOKBOOK_NATIVE=0``
@@ -15,6 +23,8 @@ turns the kernels off without trying.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -22,7 +32,7 @@ import platform
 import shutil
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -71,21 +81,25 @@ def _build() -> NativeKernels | None:
             source + torch.__version__.encode() + " ".join(_FLAGS).encode() + _cpu_id().encode()
         ).hexdigest()[:12]
         name = f"post_training_cookbook_decode_{digest}"
-        built = Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so")
-        if not built.exists():  # a pause of half a minute deserves a word
-            print(
-                "post_training_cookbook: building the native decode kernels for this machine "
-                "(once, ~30 s)...",
-                file=sys.stderr,
-                flush=True,
+        folder = Path(cpp_extension._get_build_directory(name, verbose=False))
+        with _build_lock(folder):
+            copy = folder / _SOURCE.name
+            if not copy.is_file() or copy.read_bytes() != source:
+                copy.write_bytes(source)
+            if not (folder / f"{name}.so").exists():  # a pause of half a minute deserves a word
+                print(
+                    "post_training_cookbook: building the native decode kernels for this "
+                    "machine (once, ~30 s)...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            module: NativeKernels = cpp_extension.load(
+                name=name,
+                sources=[str(copy)],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
             )
-        module: NativeKernels = cpp_extension.load(
-            name=name,
-            sources=[str(_SOURCE)],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
     except Exception as error:  # any failure to build means: fall back to torch's ops
         logger.warning(
             "native decode kernels unavailable (%s: %s); decoding with torch's ops, "
@@ -95,6 +109,22 @@ def _build() -> NativeKernels | None:
         )
         return None
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """This machine's one build in ``folder`` at a time, under an ``flock`` that dies with its
+    holder; torch's own ``lock`` file, found while holding it, was left by a killed build."""
+    with (folder / "build.flock").open("a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build that was killed", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
 
 
 def _put_ninja_on_path() -> None:
