@@ -94,21 +94,19 @@ def test_an_endpoint_teacher_s_answer_past_max_response_bytes_follows_env_errors
 
     from post_training_cookbook.distill import DistillSettings, EndpointTeacher, distill_batch
     from post_training_cookbook.distill.teacher import TeacherError
-    from post_training_cookbook.grpo.advantages import TrainingBatch
     from post_training_cookbook.trainer.types import TrainingSample
 
     tokens = [5, 6, 7, 8]
     sample = TrainingSample(tokens, [0.0, 0.0, 1.0, 1.0], [0.0] * 4, [0.0] * 4)
-    batch = TrainingBatch([sample], num_groups=1, zero_variance_groups=0, masked_episodes=0)
     endpoint = ScriptedEndpoint(
         [Scripted(body=teacher_answer(tokens, 1_500_000))], path="/v1/completions"
     )
 
-    async def distil(env_errors: str, limit: int | None) -> tuple[TrainingBatch, dict]:
+    async def distil(env_errors: str, limit: int | None) -> tuple[list[TrainingSample], dict]:
         teacher = EndpointTeacher(endpoint.base_url, model="m", max_response_bytes=limit)
         settings = DistillSettings(env_errors=env_errors, sequences_per_call=1)  # type: ignore[arg-type]
         try:
-            return await distill_batch(batch, teacher, ZeroStudent(), settings)  # type: ignore[arg-type]
+            return await distill_batch([sample], teacher, ZeroStudent(), settings)  # type: ignore[arg-type]
         finally:
             await teacher.close()
 
@@ -120,10 +118,10 @@ def test_an_endpoint_teacher_s_answer_past_max_response_bytes_follows_env_errors
         with pytest.raises(TeacherError, match="max_response_bytes=1,000,000"):
             asyncio.run(distil("raise", None))
         kept, metrics = asyncio.run(distil("truncate", None))
-        assert kept.samples == [] and metrics["distill/teacher_failed_samples"] == 1.0
+        assert kept == [] and metrics["distill/teacher_failed_samples"] == 1.0
         kept, metrics = asyncio.run(distil("raise", 2_000_000))
         assert metrics["distill/teacher_failed_samples"] == 0.0
-        assert kept.samples[0].advantages == [0.0, 0.0, -1.0, -1.0]  # −(0 − (−1)) on each
+        assert kept[0].advantages == [0.0, 0.0, -1.0, -1.0]  # −(0 − (−1)) on each
     finally:
         endpoint.stop()
 
