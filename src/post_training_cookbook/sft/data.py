@@ -31,6 +31,7 @@ data.json), not refused: exported chats carry them.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import weakref
@@ -380,10 +381,12 @@ def _last_turn_only(
 
 
 def prompt_key(conversation: Conversation) -> str:
-    """What a conversation's rendered prefix depends on before its first user turn."""
+    """A digest of what a conversation's rendered prefix depends on before its first user
+    turn (a digest: tool docs run to tens of kilobytes, once per conversation)."""
     messages = conversation.messages
     system = messages[0].get("content") if messages and messages[0]["role"] == "system" else None
-    return json.dumps([conversation.tools, system], sort_keys=True, ensure_ascii=False)
+    text = json.dumps([conversation.tools, system], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def plan_batches(
