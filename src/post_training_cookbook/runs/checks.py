@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 import re
+from pathlib import Path
 from typing import Any
 
 from post_training_cookbook.files import BadFileError, read_json_object

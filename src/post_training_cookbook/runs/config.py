@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, Union, get_args, get_origin
 
 import yaml
 
+
 class LoopConfig(Protocol):
     """What the rules below read of a loop's config."""
 

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from post_training_cookbook.models.catalog import ModelInfo, resolve_model
 from post_training_cookbook.runs.checks import check_manifest
+from post_training_cookbook.runs.config import model_short_name
 
 if TYPE_CHECKING:
     import torch
@@ -118,7 +119,7 @@ def resolve_eval_model(
             f"step={step} needs a run directory (a folder with config.yaml), got {str(model)!r}"
         )
     info = resolve_model(str(model), codec=codec)
-    return EvalModel(_short_name(info.model_id), info)
+    return EvalModel(model_short_name(info.model_id), info)
 
 
 def load_eval_weights(model: EvalModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
@@ -182,12 +183,12 @@ def _from_checkpoint(checkpoint: Path, codec: str | None, config_type: Any) -> E
     config, base = _run_base(run, codec, config_type)
     match = re.fullmatch(r"step_(\d+)", checkpoint.name)
     suffix = f"-step{int(match.group(1))}" if match else f"-{checkpoint.name}"
-    return EvalModel(_short_name(run.name) + suffix, base, checkpoint=checkpoint, run_config=config)
+    return EvalModel(
+        model_short_name(run.name) + suffix, base, checkpoint=checkpoint, run_config=config
+    )
 
 
-def _run_base(
-    run: Path, codec: str | None, config_type: Any
-) -> tuple[RunModelConfig, ModelInfo]:
+def _run_base(run: Path, codec: str | None, config_type: Any) -> tuple[RunModelConfig, ModelInfo]:
     if config_type is None:
         raise ValueError(
             f"{run} is a run folder: its config.yaml needs the config class of the loop that "
@@ -206,8 +207,3 @@ def _steps_note(run: Path) -> str:
         and (path / CHECKPOINT_MARKER).is_file()
     )
     return f"checkpoints: {', '.join(map(str, steps))}" if steps else "it has no checkpoints"
-
-
-def _short_name(model_id: str) -> str:
-    name = PurePath(model_id.rstrip("/")).name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "model"
