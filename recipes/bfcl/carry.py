@@ -34,8 +34,10 @@ def grpo_runs(out: Path) -> list[Path]:
 
 
 def newest_checkpoint(run: Path) -> Path | None:
-    found = sorted((run / "checkpoints").glob("step_*[0-9]"))
-    return found[-1] if found else None
+    from post_training_cookbook.runs.checks import checkpoint_folders
+
+    found = checkpoint_folders(run / "checkpoints")  # newest first, as a resume reads them
+    return found[0] if found else None
 
 
 def save(out: Path, docs: Path) -> None:
