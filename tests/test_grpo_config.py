@@ -378,12 +378,30 @@ def torch_variant(config: GRPOConfig) -> GRPOConfig:
     )  # fmt: skip
 
 
+LORA_ONLY = {"trainable_tokens": ("<tool_call>", "</tool_call>")}
+"""Fields a full-weight config (the pipeline's) cannot set: checked on a LoRA one below."""
+
+
+def test_trainable_tokens_round_trip_as_a_tuple_and_are_refused_where_they_cannot_apply(
+    tmp_path: Path,
+) -> None:
+    config = GRPOConfig(trainable_tokens=["<tool_call>", "</tool_call>"])  # type: ignore[arg-type]
+    assert config.trainable_tokens == LORA_ONLY["trainable_tokens"]  # YAML's list, stored a tuple
+    assert GRPOConfig.from_yaml(config.to_yaml(tmp_path / "config.yaml")) == config
+    with pytest.raises(ValueError, match="full-weight training trains every row"):
+        GRPOConfig(use_lora=False, **LORA_ONLY)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sharded trainer"):
+        GRPOConfig(backend="ray", num_trainer_workers=2, **LORA_ONLY)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="trainable_tokens must be a list of str"):
+        GRPOConfig(trainable_tokens="<tool_call>")  # type: ignore[arg-type]
+
+
 def test_the_round_trip_config_sets_every_field_away_from_its_default() -> None:
     config = non_default_config()
     same_as_default = {
         f.name for f in dataclasses.fields(GRPOConfig) if getattr(config, f.name) == f.default
     }
-    assert same_as_default == {*LOCAL_ONLY, *TORCH_ONLY}
+    assert same_as_default == {*LOCAL_ONLY, *TORCH_ONLY, *LORA_ONLY}
     local, torch_config, defaults = local_variant(config), torch_variant(config), GRPOConfig()
     assert all(getattr(local, name) != getattr(defaults, name) for name in LOCAL_ONLY)
     assert all(getattr(torch_config, name) != getattr(defaults, name) for name in TORCH_ONLY)

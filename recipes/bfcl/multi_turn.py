@@ -36,7 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from qwen_coder import QWEN_CODEC, qwen_coder_folder, qwen_coder_tagged_folder
+from qwen_coder import (
+    QWEN_CODEC,
+    TOOL_CALL_TAGS,
+    qwen_coder_folder,
+    qwen_coder_tagged_folder,
+)
 from stages import stages_main
 
 from post_training_cookbook.envs.bfcl.multi_turn_data import (
@@ -173,6 +178,9 @@ def sft(out: Path) -> dict:
         gradient_checkpointing=True,  # without it one 8k micro-batch took 21.8 GB (OOM)
         learning_rate=2e-4,
         lr_schedule="cosine",
+        # The tags' rows were never trained (docs/bfcl_multi_turn.md): LoRA alone cannot move
+        # them, and the model wrote <|im_start|> or a tag's pieces instead of the tag
+        trainable_tokens=TOOL_CALL_TAGS,
         validation_interval=0,
         checkpoint_interval=1,
         runs_dir=str(out),

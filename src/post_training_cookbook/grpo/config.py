@@ -12,7 +12,7 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 87 fields, each documented once, right under it (a test keeps the count).
+dataclass of 88 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ from post_training_cookbook.runs.config import (
     resume_needs_run_name,
     setting,
     sharded_trainer_on_ray,
+    token_rows_with_lora,
+    tuples_from_lists,
     type_problem,
     unknown_key,
     value_problems,
@@ -169,6 +171,11 @@ class GRPOConfig:
     """LoRA scale: the adapter's update is multiplied by ``lora_alpha / lora_rank``."""
     lora_dropout: float = setting(0.0, holds(lambda v: 0 <= v < 1, IN_0_1))
     """Dropout on the LoRA input, in [0, 1)."""
+    trainable_tokens: tuple[str, ...] = setting((), token_rows_with_lora)
+    """With ``use_lora``: tokens, as the vocabulary spells them (``"<tool_call>"``), whose
+    embedding and LM-head rows train in full beside the adapter. For special tokens the base
+    model never trained, which LoRA cannot move (``docs/lora.md``). Checked against the
+    tokenizer before the model loads."""
 
     # Sampling and limits
     max_tokens_per_turn: int = setting(
@@ -431,6 +438,7 @@ class GRPOConfig:
     """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
+        tuples_from_lists(self, _field_types())
         self._normalise()
         raise_if_any(self._type_problems())
         raise_if_any(value_problems(self))
@@ -555,4 +563,6 @@ def _field_types() -> dict[str, Any]:
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, tuple):  # what safe_dump writes and YAML gives back
+        return list(value)
     return value.name if isinstance(value, enum.Enum) else value

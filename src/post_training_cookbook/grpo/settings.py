@@ -18,9 +18,10 @@ from post_training_cookbook.grpo.validation import loss_config_of
 from post_training_cookbook.models.catalog import ModelInfo, check_codec_options, default_engine
 from post_training_cookbook.rollout import EpisodeLimits
 from post_training_cookbook.runs.config import LearningRateSchedule
+from post_training_cookbook.runs.models import trainer_settings
 from post_training_cookbook.service.factory import ServiceSpec
 from post_training_cookbook.service.types import VLLMSettings, WeightSyncType
-from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
+from post_training_cookbook.trainer.types import LossConfig
 
 
 @dataclass(frozen=True)
@@ -142,22 +143,12 @@ class RunSettings:
             val_sampling=_sampling(config, config.val_temperature),
             service=ServiceSpec(
                 model=model,
-                trainer=TrainerSettings(
-                    use_lora=config.use_lora,
-                    lora_rank=config.lora_rank,
-                    lora_alpha=config.lora_alpha,
-                    lora_dropout=config.lora_dropout,
-                    weight_decay=config.weight_decay,
-                    max_grad_norm=config.max_grad_norm,
-                    micro_batch_tokens=config.micro_batch_tokens,
-                    gradient_checkpointing=config.gradient_checkpointing,
+                trainer=trainer_settings(
+                    config,
                     memory_budget=config.memory_budget,
-                    logprob_chunk_tokens=config.logprob_chunk_tokens,
-                    precision=config.trainer_precision,
                     reference_model=config.kl_beta > 0,
                     packing=config.trainer_packing != "off",
                     shared_prefix=config.trainer_packing == "shared_prefix",
-                    seed=config.seed,
                     router_replay=config.router_replay,
                 ),
                 backend=config.backend,

@@ -194,6 +194,16 @@ def sharded_trainer_on_ray(config: LoopConfig, name: str, value: Any) -> str | N
     )
 
 
+def token_rows_with_lora(config: Any, name: str, value: Any) -> str | None:
+    if not value:
+        return None
+    if not config.use_lora:
+        return f"{name} is for LoRA (use_lora=True): full-weight training trains every row"
+    if config.num_trainer_workers > 1:
+        return f"{name} is not supported by the sharded trainer (num_trainer_workers > 1) yet"
+    return None
+
+
 def resume_needs_run_name(config: LoopConfig, name: str, value: Any) -> str | None:
     if not value or config.run_name is not None:
         return None
@@ -235,11 +245,22 @@ def matches(value: object, hint: Any) -> bool:
         return isinstance(value, str) and value in get_args(hint)
     if hint is type(None):
         return value is None
+    if origin is tuple:  # tuple[X, ...]: YAML gives a list (``tuples_from_lists`` stores a tuple)
+        return isinstance(value, tuple | list) and all(matches(v, get_args(hint)[0]) for v in value)
     if hint is float:
         return is_int(value) or isinstance(value, float)
     if hint is int:
         return is_int(value)
     return isinstance(value, hint)
+
+
+def tuples_from_lists(config: Any, hints: dict[str, Any]) -> None:
+    """Store a list given for a ``tuple[X, ...]`` field (as YAML gives it) as a tuple, so that
+    the frozen config stays hashable and compares equal to one built in code."""
+    for name, hint in hints.items():
+        value = getattr(config, name)
+        if get_origin(hint) is tuple and isinstance(value, list):
+            object.__setattr__(config, name, tuple(value))
 
 
 def type_problem(name: str, hint: Any, value: object) -> str:
@@ -273,6 +294,8 @@ def _describe(hint: Any) -> str:
         return "one of " + ", ".join(repr(arg) for arg in get_args(hint))
     if hint is type(None):
         return "None"
+    if origin is tuple:
+        return f"a list of {_describe(get_args(hint)[0])}"
     return str(getattr(hint, "__name__", hint))
 
 

@@ -59,7 +59,7 @@ COMPLETE = "complete.json"
 RESUME_MUST_MATCH = ("model", "codec", "dtype", "use_lora", "seed")
 """Fields a resumed config must share with the run's config.yaml: the checkpoint's weights
 belong to that model, codec and training mode, and the task order to that seed."""
-RESUME_LORA_MUST_MATCH = ("lora_rank", "lora_alpha", "lora_dropout")
+RESUME_LORA_MUST_MATCH = ("lora_rank", "lora_alpha", "lora_dropout", "trainable_tokens")
 """The same, with LoRA: the adapter's shape and scale. Every other field may change."""
 
 

@@ -17,11 +17,12 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from post_training_cookbook.models.catalog import ModelInfo, resolve_model
 from post_training_cookbook.runs.checks import check_manifest
 from post_training_cookbook.runs.config import model_short_name
+from post_training_cookbook.trainer.types import Precision, TrainerSettings
 
 if TYPE_CHECKING:
     import torch
@@ -31,17 +32,8 @@ if TYPE_CHECKING:
 CHECKPOINT_MARKER = "trainer_state.json"
 
 
-class RunModelConfig(Protocol):
-    """What loading a run's weights needs of the config in its config.yaml (``GRPOConfig``'s)."""
-
-    @property
-    def model(self) -> str: ...
-
-    @property
-    def codec(self) -> str | None: ...
-
-    @property
-    def dtype(self) -> Any: ...
+class TrainerConfig(Protocol):
+    """What every loop's config says of its trainer (``GRPOConfig``'s, ``SFTConfig``'s)."""
 
     @property
     def use_lora(self) -> bool: ...
@@ -55,7 +47,65 @@ class RunModelConfig(Protocol):
     @property
     def lora_dropout(self) -> float: ...
 
+    @property
+    def trainable_tokens(self) -> tuple[str, ...]: ...
+
+    @property
+    def weight_decay(self) -> float: ...
+
+    @property
+    def max_grad_norm(self) -> float | None: ...
+
+    @property
+    def micro_batch_tokens(self) -> int | None: ...
+
+    @property
+    def gradient_checkpointing(self) -> bool | None: ...
+
+    @property
+    def logprob_chunk_tokens(self) -> int | Literal["auto"] | None: ...
+
+    @property
+    def trainer_precision(self) -> Precision: ...
+
+    @property
+    def seed(self) -> int | None: ...
+
+
+class RunModelConfig(TrainerConfig, Protocol):
+    """What loading a run's weights needs of the config in its config.yaml (``GRPOConfig``'s)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def codec(self) -> str | None: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
     def codec_options(self) -> dict[str, object]: ...
+
+
+def trainer_settings(config: TrainerConfig, **loop_options: Any) -> TrainerSettings:
+    """The trainer a loop's config asks for: the fields every loop's config has (LoRA,
+    optimizer, batching, ``trainer_precision`` as ``precision``, seed) and the loop's own
+    (``loop_options``: GRPO's KL reference, packing, router replay)."""
+    return TrainerSettings(
+        use_lora=config.use_lora,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        trainable_tokens=config.trainable_tokens,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm,
+        micro_batch_tokens=config.micro_batch_tokens,
+        gradient_checkpointing=config.gradient_checkpointing,
+        logprob_chunk_tokens=config.logprob_chunk_tokens,
+        precision=config.trainer_precision,
+        seed=config.seed,
+        **loop_options,
+    )
 
 
 @dataclass(frozen=True)
@@ -143,15 +193,8 @@ def _checkpoint_weights(model: EvalModel) -> dict[str, Tensor]:
     assert model.checkpoint is not None and model.run_config is not None
     check_manifest(model.checkpoint)
     config = model.run_config
-    trainer = Trainer(
-        model.info.source,
-        use_lora=config.use_lora,
-        lora_rank=config.lora_rank,
-        lora_alpha=config.lora_alpha,
-        lora_dropout=config.lora_dropout,
-        autocast_bf16=False,
-        device="cpu",
-    )
+    settings = replace(trainer_settings(config), autocast_bf16=False, device="cpu")
+    trainer = Trainer.from_settings(model.info.source, settings)
     trainer.load_training_checkpoint(model.checkpoint, load_optimizer=False)
     return dict(trainer.state_dict_for_inference())
 

@@ -145,12 +145,8 @@ class RayModelService(ModelService):
                 "weight_sync_timeout_s and collective_timeout_s must be > 0, got "
                 f"{weight_sync_timeout_s} and {collective_timeout_s}"
             )
+        adapter_sync = syncs_adapter_alone(trainer, lora_sync, generation_engine)
         check_scale_dependencies(generation_engine)
-        adapter_sync = (
-            trainer.use_lora and (lora_sync or _default_lora_sync(generation_engine)) == "adapter"
-        )
-        if adapter_sync and generation_engine != "vllm":
-            raise ValueError("lora_sync='adapter' needs generation_engine='vllm'")
         broadcast = not adapter_sync and layout.broadcasts(weight_transport, generation_engine)
         spec = EngineSpec(
             kind=generation_engine,
@@ -456,8 +452,26 @@ def _retrieved(call: asyncio.Future[Any]) -> None:
         call.exception()
 
 
-def _default_lora_sync(engine: GenerationEngine) -> Literal["adapter", "merged"]:
-    return "adapter" if engine == "vllm" else "merged"
+def syncs_adapter_alone(
+    trainer: TrainerSettings,
+    lora_sync: Literal["adapter", "merged"] | None,
+    engine: GenerationEngine,
+) -> bool:
+    """Whether a LoRA trainer's weights reach the engines as the adapter alone (vLLM's LoRA
+    slots) rather than merged: ``lora_sync``, by default the adapter for vLLM. ValueError
+    where the adapter cannot carry them: another engine, or ``trainable_tokens``' rows."""
+    if not trainer.use_lora or lora_sync == "merged":
+        return False
+    if lora_sync is None:
+        return engine == "vllm" and not trainer.trainable_tokens
+    if engine != "vllm":
+        raise ValueError("lora_sync='adapter' needs generation_engine='vllm'")
+    if trainer.trainable_tokens:
+        raise ValueError(
+            "lora_sync='adapter' sends vLLM the LoRA adapter alone, without trainable_tokens' "
+            "rows: use lora_sync='merged'"
+        )
+    return True
 
 
 async def _awaited(ref: Awaitable[Any]) -> Any:

@@ -44,6 +44,8 @@ from post_training_cookbook.runs.config import (
     resume_needs_run_name,
     setting,
     sharded_trainer_on_ray,
+    token_rows_with_lora,
+    tuples_from_lists,
     type_problem,
     unknown_key,
     value_problems,
@@ -117,6 +119,11 @@ class SFTConfig:
     """LoRA scale: the update is multiplied by ``lora_alpha / lora_rank``."""
     lora_dropout: float = setting(0.0, holds(lambda v: 0 <= v < 1, IN_0_1))
     """Dropout on the LoRA input, in [0, 1)."""
+    trainable_tokens: tuple[str, ...] = setting((), token_rows_with_lora)
+    """With ``use_lora``: tokens, as the vocabulary spells them (``"<tool_call>"``), whose
+    embedding and LM-head rows train in full beside the adapter. For special tokens the base
+    model never trained, which LoRA cannot move (``docs/lora.md``). Checked against the
+    tokenizer before the model loads."""
     dtype: Dtype | None = None
     """The service's generator copy of the weights (unused by SFT itself; the final model
     is written from the trainer). None: the model's default."""
@@ -166,6 +173,7 @@ class SFTConfig:
     0 = only at the end."""
 
     def __post_init__(self) -> None:
+        tuples_from_lists(self, _field_types())
         for name, hint in _field_types().items():  # 1 where a float goes is stored as 1.0
             value = getattr(self, name)
             if is_int(value) and admits_float(hint):
@@ -196,7 +204,10 @@ class SFTConfig:
         return Path(self.runs_dir) / self.run_name
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {  # tuples as lists: what safe_dump writes and YAML gives back
+            f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+            for f in fields(self)
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SFTConfig:

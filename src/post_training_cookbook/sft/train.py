@@ -38,6 +38,7 @@ from post_training_cookbook.models.catalog import (
 from post_training_cookbook.models.loading import load_codec
 from post_training_cookbook.runs.config import LearningRateSchedule
 from post_training_cookbook.runs.directory import LoopState, RunDirectory, resume_from_checkpoint
+from post_training_cookbook.runs.models import trainer_settings
 from post_training_cookbook.runs.reporting import ConsoleProgress, RunLog, WandbLogger
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, check_service_spec, open_service
@@ -51,7 +52,7 @@ from post_training_cookbook.sft.data import (
     render_examples,
 )
 from post_training_cookbook.sync import run_sync
-from post_training_cookbook.trainer.types import SFT_LOSS, LossConfig, TrainerSettings
+from post_training_cookbook.trainer.types import SFT_LOSS, LossConfig
 
 Conversations = str | Path | Iterable[Conversation | Mapping[str, Any]]
 DATA_SUMMARY = "data.json"
@@ -103,19 +104,7 @@ def service_spec(config: SFTConfig, info: ModelInfo) -> ServiceSpec:
     """The run's service: GRPO's, with the one generator the service always holds."""
     return ServiceSpec(
         model=info,
-        trainer=TrainerSettings(
-            use_lora=config.use_lora,
-            lora_rank=config.lora_rank,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            weight_decay=config.weight_decay,
-            max_grad_norm=config.max_grad_norm,
-            micro_batch_tokens=config.micro_batch_tokens,
-            gradient_checkpointing=config.gradient_checkpointing,
-            logprob_chunk_tokens=config.logprob_chunk_tokens,
-            precision=config.trainer_precision,
-            seed=config.seed,
-        ),
+        trainer=trainer_settings(config),
         backend=config.backend,
         generation_engine="torch" if "torch" in info.engines else "vllm",
         engine_dtype=config.dtype,

@@ -30,6 +30,12 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from post_training_cookbook.files import BadFileError, check_safetensors, read_json_object
+from post_training_cookbook.trainer.token_rows import (
+    is_token_row_entry,
+    token_row_layers,
+    weight_owner,
+    with_trained_rows,
+)
 
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -53,25 +59,27 @@ def inference_tensors(
 ) -> Iterator[tuple[list[str], Tensor]]:
     """``model``'s full weights one storage at a time: the base model's parameter names that
     share it (two for tied embeddings) and a fresh copy in ``dtype`` (None: as held), each
-    LoRA-adapted weight as W + scale·B·A of ``adapter`` (nothing merged into ``model``).
+    LoRA-adapted weight as W + scale·B·A of ``adapter``, and each weight with trainable token
+    rows (``token_rows.py``) with those rows written in (nothing merged into ``model``).
 
     One weight is copied at a time, so a consumer that writes each into its own tensors
     (an engine) never needs a second whole copy of the model. ``entries``: the state-dict
     entries to go through (default: all of ``model.state_dict()``; the sharded trainer
     passes one gathered FSDP group at a time)."""
     lora_layers = {  # (module, parameter) → its adapter; MoE experts: one per 3-D tensor
-        (_without_base_layers(name), getattr(module, "parameter_name", None) or "weight"): cast(
+        (weight_owner(name), getattr(module, "parameter_name", None) or "weight"): cast(
             _LoraWeights, module
         )
         for name, module in model.named_modules()
         if isinstance(module, LoraLayer)
     }
+    token_layers = token_row_layers(model)  # trainable_tokens: whole rows, not B·A
     storages: dict[tuple[int, tuple[int, ...]], tuple[list[str], Tensor, str, str]] = {}
     for key, tensor in model.state_dict().items() if entries is None else entries:
         owner, _, leaf = key.rpartition(".")
-        if any(part.startswith("lora_") for part in key.split(".")):
+        if any(part.startswith("lora_") for part in key.split(".")) or is_token_row_entry(key):
             continue
-        owner = _without_base_layers(owner)
+        owner = weight_owner(owner)
         storage = storages.setdefault(
             (tensor.data_ptr(), tuple(tensor.shape)), ([], tensor, owner, leaf)
         )
@@ -82,13 +90,11 @@ def inference_tensors(
                 delta = lora_layers[owner, leaf].get_delta_weight(adapter).to(tensor.dtype)
                 merged = tensor.detach() + delta  # a fresh tensor already
                 yield names, merged.to(dtype or merged.dtype)
+            elif leaf == "weight" and owner in token_layers:
+                merged = with_trained_rows(token_layers[owner], tensor, adapter)
+                yield names, merged.to(dtype or merged.dtype)
             else:
                 yield names, tensor.detach().to(dtype or tensor.dtype, copy=True)
-
-
-def _without_base_layers(name: str) -> str:
-    """A module path without peft's ``base_layer`` wrappers (nested ones for MoE experts)."""
-    return ".".join(part for part in name.split(".") if part != "base_layer")
 
 
 def save_inference_checkpoint(

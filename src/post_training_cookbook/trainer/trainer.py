@@ -87,6 +87,7 @@ from post_training_cookbook.trainer.sharded_checkpoints import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
+from post_training_cookbook.trainer.token_rows import token_ids, token_row_targets
 from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
     LossConfig,
@@ -115,6 +116,7 @@ class Trainer:
         lora_alpha: int = 32,
         lora_dropout: float = 0.0,
         lora_target_modules: Sequence[str] = DEFAULT_LORA_TARGETS,
+        trainable_tokens: Sequence[str] = (),
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float | None = 1.0,
@@ -136,6 +138,8 @@ class Trainer:
         """Load the model (from a path, or a given model, which is cast to ``precision``'s
         dtype and trained in place) and set up AdamW.
 
+        ``trainable_tokens`` (with LoRA): tokens, as the vocabulary spells them, whose
+        embedding and LM-head rows train in full beside the adapter (``token_rows.py``).
         ``max_grad_norm=None`` turns clipping off. ``micro_batch_tokens`` bounds a
         micro-batch's padded size (rows × longest row); a longer sample gets its own, and rows
         under 3/4 of a micro-batch's longest start another (padding under a quarter).
@@ -166,6 +170,13 @@ class Trainer:
         check_batch_options(
             micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
         )
+        if trainable_tokens and not use_lora:
+            raise ValueError("trainable_tokens is for LoRA: full-weight training trains every row")
+        if trainable_tokens and group is not None:
+            raise ValueError("trainable_tokens is not supported by the sharded trainer yet")
+        if tokenizer is None:
+            tokenizer = load_tokenizer_if_any(model_path_or_model)
+        trained_rows = token_ids(tokenizer, trainable_tokens)  # before the model loads
         checkpointing_planned = gradient_checkpointing is None
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
@@ -181,14 +192,15 @@ class Trainer:
             autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
         self.autocast_bf16 = autocast_bf16
         self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix, autocast_bf16)
-        if tokenizer is None:
-            tokenizer = load_tokenizer_if_any(model_path_or_model)
         self.tokenizer = tokenizer
         self.use_lora = use_lora
         self.lora_settings = {
             "rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout,
             "target_modules": sorted(lora_target_modules),
         }  # fmt: skip
+        if trainable_tokens:  # (absent otherwise: older checkpoints stay compatible)
+            self.lora_settings["trainable_tokens"] = list(trainable_tokens)
+        self.trainable_tokens = tuple(trainable_tokens)
         self.betas = betas
         self.weight_decay = weight_decay
         self.max_grad_norm = max_grad_norm
@@ -254,9 +266,11 @@ class Trainer:
         )
         self._model: torch.nn.Module = base
         if use_lora:
+            rows = token_row_targets(base, trained_rows) if trained_rows else None
             config = LoraConfig(
                 r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                 target_modules=list(lora_target_modules), task_type="CAUSAL_LM",
+                trainable_token_indices=rows,
             )  # fmt: skip
             # peft would keep a bf16 base's adapter in fp32; the precision decides instead.
             self._model = get_peft_model(base, config, autocast_adapter_dtype=False)

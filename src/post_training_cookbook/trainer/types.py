@@ -143,6 +143,8 @@ class TrainerSettings:
     lora_rank: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
+    trainable_tokens: tuple[str, ...] = ()
+    """With LoRA: tokens whose embedding and LM-head rows train in full (``token_rows.py``)."""
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     """None turns clipping off."""

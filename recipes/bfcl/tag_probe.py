@@ -1,0 +1,76 @@
+"""Would greedy decoding write the tool-call tags where demonstrations put them?
+
+    python recipes/bfcl/tag_probe.py OUT [STEP] [--conversations N]
+
+Scores the first N (default 1) demonstrations of ``OUT/demos.jsonl`` with the SFT run's
+newest checkpoint (or checkpoint STEP; ``0``: the start model), and prints, at each trained
+position whose target is ``<tool_call>`` or ``</tool_call>``, the tag's log-probability and
+the token the model ranks first. A model that ranks something else first (``<|im_start|>``,
+a piece of the tag's text) writes no parseable call however good the call itself is
+(``docs/models.md``, "Untrained special tokens"). Costs one forward of each conversation.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from qwen_coder import TOOL_CALL_TAGS
+
+from post_training_cookbook.models import resolve_model
+from post_training_cookbook.models.loading import load_codec, load_model
+from post_training_cookbook.runs.checks import checkpoint_folders
+from post_training_cookbook.sft.config import SFTConfig
+from post_training_cookbook.sft.data import read_conversations, render_examples
+from post_training_cookbook.sft.train import service_spec
+from post_training_cookbook.trainer.trainer import Trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("step", type=int, nargs="?")
+    parser.add_argument("--conversations", type=int, default=1)
+    args = parser.parse_args()
+    config = SFTConfig.from_yaml(args.out / "sft" / "config.yaml")
+    info = resolve_model(config.model, codec=config.codec)
+    codec = load_codec(info)
+    model = load_model(info, torch.float32)
+    if args.step != 0:
+        checkpoints = checkpoint_folders(args.out / "sft" / "checkpoints")  # newest first
+        chosen = (
+            checkpoints[0]
+            if args.step is None
+            else next(c for c in checkpoints if c.name == f"step_{args.step:06d}")
+        )
+        trainer = Trainer.from_settings(config.model, service_spec(config, info).trainer)
+        trainer.load_training_checkpoint(chosen, load_optimizer=False)
+        model.load_state_dict(trainer.state_dict_for_inference())
+        trainer.close()
+        print(f"checkpoint {chosen.name}")
+    conversations = read_conversations(args.out / "demos.jsonl")[: args.conversations]
+    examples = render_examples(codec, conversations, "all", config.max_model_length).examples
+    tags = {codec.tokenizer.convert_tokens_to_ids(t): t for t in TOOL_CALL_TAGS}
+    wins = total = 0
+    with torch.no_grad():
+        for example in examples:
+            logits = model(torch.tensor([example.tokens])).logits[0].float()
+            logprobs = logits.log_softmax(-1)
+            for position in range(1, len(example.tokens)):
+                target = example.tokens[position]
+                if not example.mask[position] or target not in tags:
+                    continue
+                row = logprobs[position - 1]
+                best = int(row.argmax())
+                total += 1
+                wins += best == target
+                print(
+                    f"{tags[target]:>12} lp {row[target].item():7.3f}   first: "
+                    f"{codec.tokenizer.convert_ids_to_tokens(best)!r} lp {row[best].item():.3f}"
+                )
+    print(f"tag ranked first at {wins} of {total} tag positions")
+
+
+if __name__ == "__main__":
+    main()
