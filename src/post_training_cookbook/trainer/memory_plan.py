@@ -35,15 +35,17 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.utils.checkpoint
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from post_training_cookbook.models.loading import enable_gradient_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +157,73 @@ def plan_memory(
         budget / memory_budget / 2**30, device, plan.bytes_per_token * 1000 / 2**20,
     )  # fmt: skip
     return plan
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How the trainer splits a batch: as its settings say, or as the memory plan chose."""
+
+    micro_batch_tokens: int
+    shared_stream_tokens: int
+    """How far a packed stream may grow past ``micro_batch_tokens`` to keep samples that
+    share a prefix together."""
+    gradient_checkpointing: bool
+    checkpointing_planned: bool
+    """``gradient_checkpointing`` was left to the plan (None in the settings)."""
+
+
+def resolve_batching(
+    model: PreTrainedModel,
+    device: torch.device,
+    *,
+    memory_budget: float,
+    micro_batch_tokens: int | None,
+    gradient_checkpointing: bool | None,
+    activation_bytes: int,
+    agree: Callable[[int, int, bool], tuple[int, int, bool]] | None = None,
+) -> Batching:
+    """The settings' values, with the plan's where they are None (``plan_memory``).
+    ``agree``: a sharded trainer's ranks settle on one plan (every rank must split the
+    batch alike)."""
+    planned = gradient_checkpointing is None
+    if micro_batch_tokens is not None and gradient_checkpointing is not None:
+        return Batching(micro_batch_tokens, micro_batch_tokens, gradient_checkpointing, planned)
+    plan = plan_memory(
+        model, device, memory_budget=memory_budget, activation_bytes=activation_bytes,
+        micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
+    )  # fmt: skip
+    values = (plan.micro_batch_tokens, plan.shared_stream_tokens, plan.gradient_checkpointing)
+    if agree is not None:
+        values = agree(*values)
+    return Batching(*values, planned)
+
+
+def resolve_logprob_chunk_tokens(
+    model: PreTrainedModel, logprob_chunk_tokens: int | Literal["auto"] | None
+) -> int | None:
+    """The setting, or with ``"auto"`` the chunk sized by the vocabulary (logged once)."""
+    if logprob_chunk_tokens != "auto":
+        return logprob_chunk_tokens
+    chunk = auto_logprob_chunk_tokens(model.config.get_text_config().vocab_size)
+    log.info("trainer: logprob_chunk_tokens=%d (auto)", chunk)
+    return chunk
+
+
+def use_checkpointing(
+    model: PreTrainedModel, batching: Batching, shared_prefix_packing: bool, sharded: bool
+) -> StreamCheckpointing | None:
+    """Turn on ``model``'s gradient checkpointing where ``batching`` says; else, where the plan
+    chose none, return the checkpointing of the shared-prefix streams kept past
+    ``micro_batch_tokens``. Not sharded: ranks holding different streams would differ in
+    their collectives' order."""
+    if batching.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+        return None
+    streams_may_grow = (
+        shared_prefix_packing and batching.shared_stream_tokens > batching.micro_batch_tokens
+    )
+    planned_none = batching.checkpointing_planned and not batching.gradient_checkpointing
+    return StreamCheckpointing(model) if planned_none and streams_may_grow and not sharded else None
 
 
 STREAM_ACTIVATION_FACTOR = 1.2

@@ -47,6 +47,14 @@ PRE_NORM_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 once rounds as autocast does each projection's input."""
 
 
+def resolve_autocast(autocast_bf16: bool | None, precision: str, device: torch.device) -> bool:
+    """The setting, or with None bf16 autocast where it is fast (fp32 weights only: bf16
+    weights need none)."""
+    if autocast_bf16 is not None:
+        return autocast_bf16
+    return precision == "fp32" and bf16_autocast_is_fast(device)
+
+
 def cast_norm_outputs_once(model: Any) -> bool:
     """Under autocast, hand each decoder layer's two norms' outputs on in the autocast dtype.
 

@@ -22,6 +22,14 @@ TOKEN_ADAPTER = "token_adapter"
 """The module name peft's wrapper gives its ``TrainableTokensLayer``."""
 
 
+def check_token_rows(tokens: Sequence[str], use_lora: bool, sharded: bool) -> None:
+    """ValueError where ``trainable_tokens`` cannot apply."""
+    if tokens and not use_lora:
+        raise ValueError("trainable_tokens is for LoRA: full-weight training trains every row")
+    if tokens and sharded:
+        raise ValueError("trainable_tokens is not supported by the sharded trainer yet")
+
+
 def token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:
     """Each of ``tokens``' id in ``tokenizer``'s vocabulary; ValueError for a string that is
     not one token there (it would be several, or unknown)."""

@@ -28,6 +28,12 @@ from a plain HF training step, and why:
   its own routers would have sent elsewhere (``router/disagreement``).
 
 What these choices measured, on which machine: ``docs/performance.md``.
+
+The module passes 400 lines because the class is the service's whole trainer interface
+(forward, forward_backward, optim_step, weights out, checkpoints, memory, close), each
+method a short path into the module that does the work: ``logprobs``, ``losses``,
+``packing``, ``memory_plan``, ``precision``, ``lora``, ``token_rows``, ``checkpoints``,
+``sharded``.
 """
 
 from __future__ import annotations
@@ -45,12 +51,11 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from torch import Tensor
 from transformers import PreTrainedModel
 
 from post_training_cookbook.models.loading import (
-    enable_gradient_checkpointing,
     load_causal_lm,
     load_tokenizer_if_any,
 )
@@ -63,22 +68,28 @@ from post_training_cookbook.trainer.logprobs import (
     choose_route,
     micro_batches,
 )
+from post_training_cookbook.trainer.lora import (
+    ADAPTER_NAME,
+    DEFAULT_LORA_TARGETS,
+    lora_settings,
+    with_lora,
+)
 from post_training_cookbook.trainer.losses import get_loss_fn
 from post_training_cookbook.trainer.memory_plan import (
-    StreamCheckpointing,
-    auto_logprob_chunk_tokens,
     layers_to_checkpoint,
-    plan_memory,
+    resolve_batching,
+    resolve_logprob_chunk_tokens,
+    use_checkpointing,
 )
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
     Precision,
-    bf16_autocast_is_fast,
     cast_norm_outputs_once,
     check_precision,
     clip_gradients,
     new_optimizer,
+    resolve_autocast,
 )
 from post_training_cookbook.trainer.router_replay import RouterReplay
 from post_training_cookbook.trainer.sharded import Shards, TrainerGroup, held_bytes
@@ -87,7 +98,7 @@ from post_training_cookbook.trainer.sharded_checkpoints import (
     load_sharded_checkpoint,
     save_sharded_checkpoint,
 )
-from post_training_cookbook.trainer.token_rows import token_ids, token_row_targets
+from post_training_cookbook.trainer.token_rows import check_token_rows, token_ids
 from post_training_cookbook.trainer.types import (
     ForwardBackwardResult,
     LossConfig,
@@ -97,8 +108,6 @@ from post_training_cookbook.trainer.types import (
     TrainingSample,
 )
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-ADAPTER_NAME = "default"  # peft's name for the single adapter get_peft_model creates
 # Router replay's counts, summed over micro-batches (and ranks) before they become a share.
 _ROUTED_OTHERWISE, _ROUTES_RECORDED = "router/_routed_otherwise", "router/_recorded"
 _FORWARDED = "train/_forwarded"
@@ -107,6 +116,38 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
+    """One causal LM and its AdamW, built from a path or a given model (cast to
+    ``precision``'s dtype and trained in place).
+
+    ``trainable_tokens`` (with LoRA): tokens, as the vocabulary spells them, whose embedding
+    and LM-head rows train in full beside the adapter (``token_rows.py``).
+    ``max_grad_norm=None`` turns clipping off. ``micro_batch_tokens`` bounds a micro-batch's
+    padded size (rows × longest row); a longer sample gets its own, and rows under 3/4 of a
+    micro-batch's longest start another (padding under a quarter). ``autocast_bf16=None``
+    turns bf16 autocast on where it is fast (with fp32 weights).
+
+    Memory (formulas and a table per model size in ``docs/models.md``):
+    ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
+    small models on a CPU are short of time, not memory); ``micro_batch_tokens`` or
+    ``gradient_checkpointing`` None: chosen from the model's shape and ``memory_budget`` ×
+    the device's free memory (``memory_plan.py``, logged once); ``logprob_chunk_tokens`` is
+    how many trained positions' vocabulary-sized tensors exist at once (None: all;
+    ``"auto"``: sized by the vocabulary, ``memory_plan.py``); ``precision`` is ``"fp32"``,
+    or ``"bf16"`` weights and gradients with an fp32 master copy and moments in the
+    optimizer (``precision.py``). ``reference_model`` keeps the initial policy for the KL
+    term: a frozen copy for full weight, the base with the adapter disabled for LoRA (no
+    copy). ``tokenizer`` (default: the model path's) is saved with inference checkpoints.
+    ``forward_backward`` runs in train mode (LoRA dropout applies), ``forward`` in eval
+    mode. ``group``: this process is one rank of a sharded trainer (``sharded.py``); it
+    joins the group before loading. ``packing``: each micro-batch is one token stream
+    without padding, and with ``shared_prefix`` a prefix shared by samples is forwarded
+    once (``packing.py``; on only for models where it is exact, Gated DeltaNet hybrids
+    included, ``linear_attention.py``); ``micro_batch_tokens`` then bounds a stream's
+    tokens. ``router_replay``: route each token a sample's ``routed_experts`` records
+    through those experts (a ValueError for a model without MoE routers it knows,
+    ``models/moe_routing.py``).
+    """
+
     def __init__(
         self,
         model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
@@ -135,154 +176,55 @@ class Trainer:
         device: str | torch.device | None = None,
         group: TrainerGroup | None = None,
     ) -> None:
-        """Load the model (from a path, or a given model, which is cast to ``precision``'s
-        dtype and trained in place) and set up AdamW.
-
-        ``trainable_tokens`` (with LoRA): tokens, as the vocabulary spells them, whose
-        embedding and LM-head rows train in full beside the adapter (``token_rows.py``).
-        ``max_grad_norm=None`` turns clipping off. ``micro_batch_tokens`` bounds a
-        micro-batch's padded size (rows × longest row); a longer sample gets its own, and rows
-        under 3/4 of a micro-batch's longest start another (padding under a quarter).
-        ``autocast_bf16=None`` turns bf16 autocast on where it is fast (with fp32 weights).
-
-        Memory (formulas and a table per model size in ``docs/models.md``):
-        ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
-        small models on a CPU are short of time, not memory); ``micro_batch_tokens`` or
-        ``gradient_checkpointing`` None: chosen from the model's shape and
-        ``memory_budget`` × the device's free memory (``memory_plan.py``, logged once);
-        ``logprob_chunk_tokens`` is how many trained positions' vocabulary-sized tensors
-        exist at once (None: all; ``"auto"``: sized by the vocabulary, ``memory_plan.py``);
-        ``precision`` is ``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master
-        copy and moments in the optimizer (``precision.py``). ``reference_model``
-        keeps the initial policy for the KL term: a frozen copy for full weight, the base
-        with the adapter disabled for LoRA (no copy). ``tokenizer`` (default: the model
-        path's) is saved with inference checkpoints. ``forward_backward`` runs in train mode
-        (LoRA dropout applies), ``forward`` in eval mode. ``group``: this process is one
-        rank of a sharded trainer (``sharded.py``); it joins the group before loading.
-        ``packing``: each micro-batch is one token stream without padding, and with
-        ``shared_prefix`` a prefix shared by samples is forwarded once (``packing.py``; on
-        only for models where it is exact, Gated DeltaNet hybrids included,
-        ``linear_attention.py``);
-        ``micro_batch_tokens`` then bounds a stream's tokens. ``router_replay``: route each
-        token a sample's ``routed_experts`` records through those experts (a ValueError for a
-        model without MoE routers it knows, ``models/moe_routing.py``).
-        """
+        """Check the options, load the model and set up AdamW (see the class docstring)."""
         check_batch_options(
             micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
         )
-        if trainable_tokens and not use_lora:
-            raise ValueError("trainable_tokens is for LoRA: full-weight training trains every row")
-        if trainable_tokens and group is not None:
-            raise ValueError("trainable_tokens is not supported by the sharded trainer yet")
-        if tokenizer is None:
-            tokenizer = load_tokenizer_if_any(model_path_or_model)
-        trained_rows = token_ids(tokenizer, trainable_tokens)  # before the model loads
-        checkpointing_planned = gradient_checkpointing is None
+        check_token_rows(trainable_tokens, use_lora, sharded=group is not None)
+        self.tokenizer = tokenizer or load_tokenizer_if_any(model_path_or_model)
+        trained_rows = token_ids(self.tokenizer, trainable_tokens)  # before the model loads
         if seed is not None:
             torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.precision = check_precision(precision, self.device)
         self._shards = Shards(group, self.device) if group is not None else None
-        dtype = WEIGHT_DTYPES[self.precision]
-        base = load_causal_lm(model_path_or_model, dtype)
-        cast(torch.nn.Module, base).to(self.device, dtype)  # PreTrainedModel.to is mistyped
-        attention.use_for(base)  # CPU: math attention for short rows (trainer/attention.py)
-        linear_attention.use_for(base)  # Gated DeltaNet over packed streams
-        if autocast_bf16 is None:  # bf16 weights need no autocast
-            autocast_bf16 = self.precision == "fp32" and bf16_autocast_is_fast(self.device)
-        self.autocast_bf16 = autocast_bf16
+        base = load_for_training(model_path_or_model, WEIGHT_DTYPES[self.precision], self.device)
+        self.autocast_bf16 = autocast_bf16 = resolve_autocast(autocast_bf16, precision, self.device)
         self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix, autocast_bf16)
-        self.tokenizer = tokenizer
-        self.use_lora = use_lora
-        self.lora_settings = {
-            "rank": lora_rank, "alpha": lora_alpha, "dropout": lora_dropout,
-            "target_modules": sorted(lora_target_modules),
-        }  # fmt: skip
-        if trainable_tokens:  # (absent otherwise: older checkpoints stay compatible)
-            self.lora_settings["trainable_tokens"] = list(trainable_tokens)
-        self.trainable_tokens = tuple(trainable_tokens)
-        self.betas = betas
-        self.weight_decay = weight_decay
-        self.max_grad_norm = max_grad_norm
-        if logprob_chunk_tokens == "auto":
-            logprob_chunk_tokens = auto_logprob_chunk_tokens(
-                base.config.get_text_config().vocab_size
-            )
-            log.info("trainer: logprob_chunk_tokens=%d (auto)", logprob_chunk_tokens)
-        self.logprob_chunk_tokens: int | None = logprob_chunk_tokens
-        if micro_batch_tokens is None or gradient_checkpointing is None:
-            bytes_ = 2 if autocast_bf16 or self.precision == "bf16" else 4
-            plan = plan_memory(
-                base, self.device, memory_budget=memory_budget, activation_bytes=bytes_,
-                micro_batch_tokens=micro_batch_tokens,
-                gradient_checkpointing=gradient_checkpointing,
-            )  # fmt: skip
-            micro_batch_tokens, shared_stream_tokens, gradient_checkpointing = (
-                plan.micro_batch_tokens,
-                plan.shared_stream_tokens,
-                plan.gradient_checkpointing,
-            )
-            if self._shards is not None:  # every rank must split the batch alike
-                micro_batch_tokens, shared_stream_tokens, gradient_checkpointing = (
-                    self._shards.agree(
-                        micro_batch_tokens, shared_stream_tokens, gradient_checkpointing
-                    )
-                )
-        else:
-            shared_stream_tokens = micro_batch_tokens
-        self.micro_batch_tokens: int = micro_batch_tokens
-        self.shared_stream_tokens: int = shared_stream_tokens
-        """How far a packed stream may grow past ``micro_batch_tokens`` to keep samples that
-        share a prefix together (``memory_plan.py``)."""
+        self.use_lora, self.trainable_tokens = use_lora, tuple(trainable_tokens)
+        self.lora_settings = lora_settings(
+            lora_rank, lora_alpha, lora_dropout, lora_target_modules, trainable_tokens
+        )
+        self.betas, self.weight_decay, self.max_grad_norm = betas, weight_decay, max_grad_norm
+        self.logprob_chunk_tokens = resolve_logprob_chunk_tokens(base, logprob_chunk_tokens)
+        self.batching = resolve_batching(
+            base, self.device, memory_budget=memory_budget,
+            micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
+            activation_bytes=2 if autocast_bf16 or self.precision == "bf16" else 4,
+            agree=self._shards.agree if self._shards is not None else None,
+        )  # fmt: skip
         scorer = functools.partial(
             TokenLogprobs, route=choose_route(base, autocast_bf16),
-            chunk_tokens=logprob_chunk_tokens, autocast_bf16=autocast_bf16,
+            chunk_tokens=self.logprob_chunk_tokens, autocast_bf16=autocast_bf16,
         )  # fmt: skip
-        self._reference: TokenLogprobs | None = None
-        if reference_model and not use_lora:
-            frozen = copy.deepcopy(base).eval().requires_grad_(False)
-            if autocast_bf16:
-                cast_norm_outputs_once(frozen)
-            self._reference = scorer(frozen)
+        self._reference = (
+            scorer(frozen_copy(base, autocast_bf16)) if reference_model and not use_lora else None
+        )
         # After the frozen reference's copy: the KL reference routes its own way.
         self._replay = RouterReplay(base) if router_replay else None
         self.router_replay = router_replay
-        if gradient_checkpointing:
-            enable_gradient_checkpointing(base)
-        self.gradient_checkpointing = gradient_checkpointing
-        # A shared-prefix stream kept past micro_batch_tokens checkpoints some of its layers
-        # where the plan chose no checkpointing (not sharded: ranks holding different streams
-        # would differ in their collectives' order).
-        streams_may_grow = (
-            self.packing_mode == "shared_prefix" and shared_stream_tokens > micro_batch_tokens
+        self._stream_checkpointing = use_checkpointing(
+            base, self.batching, self.packing_mode == "shared_prefix", sharded=group is not None
         )
-        self._stream_checkpointing = (
-            StreamCheckpointing(base)
-            if checkpointing_planned
-            and not gradient_checkpointing
-            and self._shards is None
-            and streams_may_grow
-            else None
-        )
-        self._model: torch.nn.Module = base
-        if use_lora:
-            rows = token_row_targets(base, trained_rows) if trained_rows else None
-            config = LoraConfig(
-                r=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                target_modules=list(lora_target_modules), task_type="CAUSAL_LM",
-                trainable_token_indices=rows,
-            )  # fmt: skip
-            # peft would keep a bf16 base's adapter in fp32; the precision decides instead.
-            self._model = get_peft_model(base, config, autocast_adapter_dtype=False)
+        self._model = with_lora(base, self.lora_settings, trained_rows) if use_lora else base
         self._causal_lm = base  # with LoRA, peft injected its layers into this same module
         if autocast_bf16:
             cast_norm_outputs_once(base)  # (after peft: its LoRA layers' own casts go too)
         self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
         if self._shards is not None:  # (the KL reference too)
             self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
-        self._has_reference = reference_model
+        self._has_reference, self._version = reference_model, 0
         self._optimizer = self._new_optimizer()
-        self._version = 0
         self._zero_grad()  # no gradients yet
 
     @classmethod
@@ -298,6 +240,20 @@ class Trainer:
         return cls(model_path_or_model, **options, group=group)
 
     # ------------------------------------------------------------ properties
+
+    @property
+    def micro_batch_tokens(self) -> int:
+        return self.batching.micro_batch_tokens
+
+    @property
+    def shared_stream_tokens(self) -> int:
+        """How far a packed stream may grow past ``micro_batch_tokens`` to keep samples that
+        share a prefix together (``memory_plan.py``)."""
+        return self.batching.shared_stream_tokens
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        return self.batching.gradient_checkpointing
 
     @property
     def version(self) -> int:
@@ -545,3 +501,23 @@ class Trainer:
         if mode != "off":
             return packed_micro_batches(samples, budget, self.device, mode, shared)
         return micro_batches(samples, budget, self.device)
+
+
+def load_for_training(
+    source: str | os.PathLike[str] | PreTrainedModel, dtype: torch.dtype, device: torch.device
+) -> PreTrainedModel:
+    """The model on ``device`` in ``dtype``, with the trainer's attention: on a CPU, math
+    attention for short rows (``attention.py``); Gated DeltaNet over packed streams."""
+    model = load_causal_lm(source, dtype)
+    cast(torch.nn.Module, model).to(device, dtype)  # PreTrainedModel.to is mistyped
+    attention.use_for(model)
+    linear_attention.use_for(model)
+    return model
+
+
+def frozen_copy(model: PreTrainedModel, autocast_bf16: bool) -> PreTrainedModel:
+    """The full-weight KL reference: ``model`` as it starts, copied and frozen."""
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    if autocast_bf16:
+        cast_norm_outputs_once(frozen)
+    return frozen
