@@ -29,7 +29,7 @@ from post_training_cookbook.evaluation import (
 from post_training_cookbook.evaluation.models import load_eval_weights
 from post_training_cookbook.evaluation.results import default_ks, summarize
 from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.grpo.settings import RunSettings, eval_settings
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.rollout import Episode, EpisodeLimits, Group, TruncationCause
 
@@ -165,7 +165,7 @@ def test_eval_settings_from_a_config_are_its_validation_settings():
         max_turns=3, val_temperature=0.25, val_episodes_per_task=5, env_errors="retry",
         env_retry_attempts=4,
     )  # fmt: skip
-    settings = EvalSettings.from_config(config)
+    settings = eval_settings(config)
     assert (settings.limits.max_turns, settings.temperature, settings.episodes_per_task) == (
         3,
         0.25,
@@ -179,7 +179,7 @@ def test_evaluation_defaults_are_the_training_configs():
     """``evaluate``, ``EvalSettings`` and ``EpisodeLimits`` default to ``GRPOConfig``'s
     validation settings, so a bare evaluation compares with a default run's ``val/``."""
     config = GRPOConfig()
-    assert EvalSettings() == EvalSettings.from_config(config)
+    assert EvalSettings() == eval_settings(config)
     assert (
         EpisodeLimits() == RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).episodes
     )
