@@ -6,7 +6,11 @@ import asyncio
 import inspect
 import itertools
 import json
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +162,29 @@ def test_comparison_warns_when_settings_differ(tmp_path):
     assert "WARNING: the columns were scored with different settings" in format_comparison(
         [first, second]
     )
+
+
+def test_a_run_folder_is_read_as_grpos_where_nothing_imported_grpo():
+    """``evaluation/`` imports nothing of ``grpo/``: the package's entry names ``GRPOConfig``
+    as the class a run's config.yaml is read with when the caller hands in none, so
+    ``evaluate("runs/x")`` works in a fresh process as it always has."""
+    script = (
+        "import sys\n"
+        "from post_training_cookbook.evaluation import resolve_eval_model\n"
+        "assert 'post_training_cookbook.grpo' not in sys.modules, 'evaluation imported grpo'\n"
+        f"model = resolve_eval_model({str(trained_run())!r}, step=1)\n"
+        "print(type(model.run_config).__name__, model.name)\n"
+    )
+    source = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": source},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["GRPOConfig", f"{trained_run().name}-step1"]
 
 
 def test_eval_settings_from_a_config_are_its_validation_settings():
