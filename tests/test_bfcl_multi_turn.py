@@ -415,7 +415,7 @@ def test_the_recipe_scores_every_model_it_makes_on_held_out_entries_only():
 def test_demonstrations_of_the_ground_truth_carry_each_entrys_tools(tmp_path):
     """The env's tools depend on the entry, so they are read after a reset: an SFT
     conversation without them would teach calls to tools its prompt never shows."""
-    from post_training_cookbook.sft.data import read_conversations
+    from post_training_cookbook.sft.conversations import read_conversations
     from post_training_cookbook.sft.demonstrations import collect_demonstrations
 
     entries = load_multi_turn_entries(["multi_turn_base"], "train")[:2]

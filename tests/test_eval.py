@@ -6,7 +6,11 @@ import asyncio
 import inspect
 import itertools
 import json
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +33,7 @@ from post_training_cookbook.evaluation import (
 from post_training_cookbook.evaluation.models import load_eval_weights
 from post_training_cookbook.evaluation.results import default_ks, summarize
 from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.grpo.settings import RunSettings, eval_settings
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.rollout import Episode, EpisodeLimits, Group, TruncationCause
 
@@ -160,12 +164,35 @@ def test_comparison_warns_when_settings_differ(tmp_path):
     )
 
 
+def test_a_run_folder_is_read_as_grpos_where_nothing_imported_grpo():
+    """``evaluation/`` imports nothing of ``grpo/``: the package's entry names ``GRPOConfig``
+    as the class a run's config.yaml is read with when the caller hands in none, so
+    ``evaluate("runs/x")`` works in a fresh process as it always has."""
+    script = (
+        "import sys\n"
+        "from post_training_cookbook.evaluation import resolve_eval_model\n"
+        "assert 'post_training_cookbook.grpo' not in sys.modules, 'evaluation imported grpo'\n"
+        f"model = resolve_eval_model({str(trained_run())!r}, step=1)\n"
+        "print(type(model.run_config).__name__, model.name)\n"
+    )
+    source = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": source},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["GRPOConfig", f"{trained_run().name}-step1"]
+
+
 def test_eval_settings_from_a_config_are_its_validation_settings():
     config = GRPOConfig(
         max_turns=3, val_temperature=0.25, val_episodes_per_task=5, env_errors="retry",
         env_retry_attempts=4,
     )  # fmt: skip
-    settings = EvalSettings.from_config(config)
+    settings = eval_settings(config)
     assert (settings.limits.max_turns, settings.temperature, settings.episodes_per_task) == (
         3,
         0.25,
@@ -179,7 +206,7 @@ def test_evaluation_defaults_are_the_training_configs():
     """``evaluate``, ``EvalSettings`` and ``EpisodeLimits`` default to ``GRPOConfig``'s
     validation settings, so a bare evaluation compares with a default run's ``val/``."""
     config = GRPOConfig()
-    assert EvalSettings() == EvalSettings.from_config(config)
+    assert EvalSettings() == eval_settings(config)
     assert (
         EpisodeLimits() == RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).episodes
     )

@@ -16,12 +16,8 @@ from post_training_cookbook.codecs import get_codec
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
 from post_training_cookbook.envs.tool_use_game.solver import GameSolver
 from post_training_cookbook.sft import SFTConfig, SFTDataError, read_conversations
-from post_training_cookbook.sft.data import (
-    Conversation,
-    plan_batches,
-    prompt_key,
-    render_examples,
-)
+from post_training_cookbook.sft.conversations import Conversation
+from post_training_cookbook.sft.data import plan_batches, prompt_key, render_examples
 from post_training_cookbook.sft.demonstrations import collect_demonstrations
 from post_training_cookbook.trainer.losses import BatchTotals, get_loss_fn
 from post_training_cookbook.trainer.types import LossConfig

@@ -17,12 +17,12 @@ import pytest
 
 from post_training_cookbook.codecs import get_codec
 from post_training_cookbook.sft import SFTDataError, read_conversations
-from post_training_cookbook.sft.data import (
+from post_training_cookbook.sft.conversations import (
     Conversation,
     conversation_of_line,
     load_conversations,
-    render_examples,
 )
+from post_training_cookbook.sft.data import render_examples
 
 CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
 USER = {"role": "user", "content": "hi"}

@@ -8,3 +8,9 @@ its order; no module imports from a layer above its own.
 """
 
 __version__ = "0.1.0"
+
+from post_training_cookbook import runs as _runs
+
+# A run folder that no caller names a config class for (``evaluate("runs/x")``) is GRPO's:
+# the entry wires it in by name, so ``runs/`` and ``evaluation/`` import nothing of ``grpo/``.
+_runs.set_default_config_type("post_training_cookbook.grpo.config", "GRPOConfig")

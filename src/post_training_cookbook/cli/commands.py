@@ -189,8 +189,9 @@ _ENV_FLAGS = {"--env": "env", "--tasks": "tasks", "--num-tasks": "num_tasks"}
 
 def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalSettings:
     from post_training_cookbook.evaluation import EvalSettings
+    from post_training_cookbook.grpo.settings import eval_settings
 
-    base = EvalSettings.from_config(config) if config else EvalSettings()
+    base = eval_settings(config) if config else EvalSettings()
     if args.benchmark is not None:
         base = replace(base, temperature=0.0)  # benchmarks are scored greedy by default
     flags = {

@@ -2,7 +2,8 @@
 
 Single-threaded: only LocalEngine's worker thread calls a ``Decoder``. Rows of the KV batch
 and ``Decoder.rows`` stay aligned: row i of the batch is ``rows[i]``. The module is one class
-over that invariant (about 560 lines), which is why it is not split; router replay's
+over that invariant, which is why it passes 400 lines and is not split further; the records
+it works on (``Request``, ``Row``, ``EngineStats``) are ``rows.py``'s, and router replay's
 recording is ``router_replay.py``'s, called where ``self.routes`` is set.
 
 Hybrid models (Gated DeltaNet layers beside full attention, ``recurrent.py``) run through the
@@ -13,14 +14,12 @@ cached state is prefilled only beside rows of its own length (padding would deca
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import inspect
 import itertools
 from collections import defaultdict
 from copy import deepcopy
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,130 +34,24 @@ from post_training_cookbook.engine.recurrent import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
     RecurrentStates,
-    RowState,
     check_supported_layers,
     layer_types,
     state_shapes,
 )
 from post_training_cookbook.engine.router_replay import RouteRecorder, RowRoutes
+from post_training_cookbook.engine.rows import (
+    EngineStats,
+    PrefillPrompt,
+    Request,
+    Row,
+    StopReason,
+)
 from post_training_cookbook.engine.sampling import sample_tokens
-from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
-from post_training_cookbook.models.moe_routing import RoutedExperts
+from post_training_cookbook.engine.types import PolicySegment
 
-StopReason = Literal["stop", "length"]
-_UNIFORM_CHUNK = 64
 SHARED_PREFIX_MIN_TOKENS = 64
 """A prefix shared by several prompts of one prefill is computed once when it is at least
 this long (shorter, a forward of its own costs more than it saves)."""
-
-
-@dataclass
-class EngineStats:
-    """Counters since construction; ``LocalEngine.stats()`` returns a snapshot."""
-
-    prefill_tokens_computed: int = 0  # prompt tokens run through the model
-    prefill_tokens_reused: int = 0  # prompt tokens whose KV came from the prefix cache
-    prefill_tokens_shared: int = 0  # prompt tokens of rows that copied an identical prompt's row
-    prefix_cache_hits: int = 0  # prefilled prompts that reused at least one cached token
-    prefix_cache_misses: int = 0
-    prefix_cache_entries: int = 0
-    prefill_batches: int = 0  # prefill forwards
-    decode_steps: int = 0  # decode forwards
-    decode_tokens: int = 0  # rows summed over decode steps
-    max_decode_batch_size: int = 0
-    sequences_finished: int = 0
-    weight_updates: int = 0  # updates applied
-
-    @property
-    def mean_decode_batch_size(self) -> float:
-        return self.decode_tokens / self.decode_steps if self.decode_steps else 0.0
-
-    def to_metrics(self) -> dict[str, float]:
-        metrics = {f"engine/{name}": float(value) for name, value in asdict(self).items()}
-        metrics["engine/mean_decode_batch_size"] = self.mean_decode_batch_size
-        return metrics
-
-
-@dataclass(eq=False)
-class Request:
-    """One ``sample`` call: resolved on its caller's loop once all ``n`` sequences finish."""
-
-    prompt: list[int]
-    n: int
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[list[SampledSequence]]
-    cancelled: bool = False  # set on the loop when the caller stops waiting
-    sequences: dict[int, SampledSequence] = field(default_factory=dict)
-    stop_ids: frozenset[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        self.stop_ids = frozenset(self.params.stop_token_ids)
-
-    def complete(self, index: int, sequence: SampledSequence) -> None:
-        self.sequences[index] = sequence
-        if len(self.sequences) == self.n:
-            settle(self.loop, self.future, result=[self.sequences[i] for i in range(self.n)])
-
-    def fail(self, error: BaseException) -> None:
-        settle(self.loop, self.future, error=error)
-
-
-@dataclass(eq=False)
-class _Row:
-    """One sequence being sampled."""
-
-    request: Request
-    index: int  # which of the request's n samples
-    generator: torch.Generator  # the row's own when seeded, else the engine's
-    max_tokens: int
-    segments: list[PolicySegment]
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    raw_logprobs: list[float] = field(default_factory=list)
-    uniforms: list[float] = field(default_factory=list)
-    routes: RowRoutes | None = None  # router replay: the experts each token went to
-
-    def next_uniform(self) -> float:
-        # Drawn in chunks: cheap per token, bounded memory, and still a function of the seed only.
-        step = len(self.tokens) % _UNIFORM_CHUNK
-        if step == 0:
-            self.uniforms = torch.rand(_UNIFORM_CHUNK, generator=self.generator).tolist()
-        return self.uniforms[step]
-
-    def stop_reason(self) -> StopReason | None:
-        if self.tokens[-1] in self.request.stop_ids:
-            return "stop"
-        return "length" if len(self.tokens) >= self.max_tokens else None
-
-    def switch_to(self, version: int) -> None:
-        start = len(self.tokens)  # the first token the new weights will sample
-        if self.segments[-1].start_token == start:
-            self.segments[-1] = PolicySegment(start, version)
-        else:
-            self.segments.append(PolicySegment(start, version))
-
-    def to_sequence(self, reason: StopReason) -> SampledSequence:
-        routes = None if self.routes is None else self.routes.sequence()
-        return SampledSequence(
-            self.tokens, self.logprobs, reason, self.segments, self.raw_logprobs, routes
-        )
-
-
-@dataclass(eq=False)
-class _Prompt:
-    """One distinct prompt of a prefill, with every sample that asked for it."""
-
-    tokens: list[int]
-    samples: list[tuple[Request, int]] = field(default_factory=list)
-    reused: int = 0  # leading tokens whose KV comes from the prefix cache
-    past: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-    state: RowState | None = None  # a hybrid model's recurrent state after the reused tokens
-    routes: RoutedExperts | None = None  # router replay: the cached part's, then the whole's
-
-    @property
-    def suffix(self) -> list[int]:
-        return self.tokens[self.reused :]
 
 
 class Decoder:
@@ -200,7 +93,7 @@ class Decoder:
         self.rng.seed()  # unseeded requests draw from here
         self.version = version
         self.stats = EngineStats()
-        self.rows: list[_Row] = []
+        self.rows: list[Row] = []
         self.reset()
 
     def reset(self) -> list[Request]:
@@ -249,11 +142,11 @@ class Decoder:
         for group in self._prefill_groups(prompts):
             self._prefill(group)
 
-    def _prefill_groups(self, prompts: list[_Prompt]) -> list[list[_Prompt]]:
+    def _prefill_groups(self, prompts: list[PrefillPrompt]) -> list[list[PrefillPrompt]]:
         """The prefill's forwards: groups of similar suffix lengths; for a hybrid model, a
         prompt that continues a cached recurrent state only with prompts of its own suffix
         length (its left padding would decay that state; recurrent.py)."""
-        continued: dict[int, list[_Prompt]] = defaultdict(list)
+        continued: dict[int, list[PrefillPrompt]] = defaultdict(list)
         if self.hybrid:
             for prompt in prompts:
                 if prompt.state is not None:
@@ -262,7 +155,7 @@ class Decoder:
         groups = length_groups([len(prompt.suffix) for prompt in prompts])
         return [[prompts[index] for index in group] for group in groups] + list(continued.values())
 
-    def _cache_shared_prefixes(self, prompts: list[_Prompt]) -> bool:
+    def _cache_shared_prefixes(self, prompts: list[PrefillPrompt]) -> bool:
         """Prefill once, into the prefix cache, each long prefix that several distinct
         prompts of this prefill share beyond what the cache already gave them (the system
         prompt and tool docs of different tasks on the same tools): without it each prompt
@@ -274,7 +167,7 @@ class Decoder:
         return self._cache_run(ordered, shared, 0, len(ordered) - 1, 0)
 
     def _cache_run(
-        self, ordered: list[_Prompt], shared: list[int], first: int, last: int, done: int
+        self, ordered: list[PrefillPrompt], shared: list[int], first: int, last: int, done: int
     ) -> bool:
         """The prompts ``ordered[first..last]`` (sorted, so neighbours share the most): cache
         the prefix all of them share when it is at least ``SHARED_PREFIX_MIN_TOKENS`` past
@@ -298,7 +191,7 @@ class Decoder:
 
     def _cache_prefix(self, tokens: list[int]) -> None:
         """One row's forward over ``tokens`` (past what the cache holds), kept in the cache."""
-        prompt = _Prompt(tokens)
+        prompt = PrefillPrompt(tokens)
         self._lookup(prompt)
         width = len(prompt.suffix)
         self.batch.reserve(1, width + prompt.reused)
@@ -321,7 +214,7 @@ class Decoder:
         self.prefix_cache.insert(entry)
         self.batch.remove_rows([row])
 
-    def _prefill(self, prompts: list[_Prompt]) -> None:
+    def _prefill(self, prompts: list[PrefillPrompt]) -> None:
         width = max(len(p.suffix) for p in prompts)
         self.batch.reserve(
             sum(len(p.samples) for p in prompts), width + max(p.reused for p in prompts)
@@ -343,16 +236,16 @@ class Decoder:
         self._count_prefill(prompts)
         self._fan_out(first, prompts, logits)
 
-    def _distinct_prompts(self, requests: list[Request]) -> list[_Prompt]:
-        prompts: dict[tuple[int, ...], _Prompt] = {}
+    def _distinct_prompts(self, requests: list[Request]) -> list[PrefillPrompt]:
+        prompts: dict[tuple[int, ...], PrefillPrompt] = {}
         for request in requests:
-            prompt = prompts.setdefault(tuple(request.prompt), _Prompt(request.prompt))
+            prompt = prompts.setdefault(tuple(request.prompt), PrefillPrompt(request.prompt))
             prompt.samples.extend((request, j) for j in range(request.n))
         for prompt in prompts.values():
             self._lookup(prompt)
         return list(prompts.values())
 
-    def _lookup(self, prompt: _Prompt) -> None:
+    def _lookup(self, prompt: PrefillPrompt) -> None:
         """Reuse the longest cached prefix, leaving at least the last prompt token to compute
         (its logits give the first sampled token)."""
         found = self.prefix_cache.lookup(np.asarray(prompt.tokens), self.version)
@@ -367,7 +260,7 @@ class Decoder:
         prompt.state = entry.state  # whole entries only, so the state is at ``length``
         prompt.routes = None if entry.routes is None else entry.routes[:length]
 
-    def _place(self, row: int, prompt: _Prompt, end: int, width: int) -> None:
+    def _place(self, row: int, prompt: PrefillPrompt, end: int, width: int) -> None:
         """Lay a prompt out in ``row``: cached KV ends where the suffix block (``width``
         columns before ``end``) starts; the suffix is right-aligned in that block."""
         if prompt.past is not None:
@@ -375,14 +268,14 @@ class Decoder:
         self.batch.valid[row, end - len(prompt.suffix) : end] = True
         self.batch.positions[row] = len(prompt.tokens)
 
-    def _count_prefill(self, prompts: list[_Prompt]) -> None:
+    def _count_prefill(self, prompts: list[PrefillPrompt]) -> None:
         stats = self.stats
         stats.prefill_batches += 1
         stats.prefill_tokens_computed += sum(len(p.suffix) for p in prompts)
         stats.prefill_tokens_reused += sum(p.reused for p in prompts)
         stats.prefill_tokens_shared += sum((len(p.samples) - 1) * len(p.tokens) for p in prompts)
 
-    def _fan_out(self, first: int, prompts: list[_Prompt], logits: torch.Tensor) -> None:
+    def _fan_out(self, first: int, prompts: list[PrefillPrompt], logits: torch.Tensor) -> None:
         """Every sample gets its own row (a copy of its prompt's row) and its first token."""
         samples = [p.samples[0] for p in prompts]
         sources = [first + i for i, p in enumerate(prompts) for _ in p.samples[1:]]
@@ -399,7 +292,7 @@ class Decoder:
                 row.routes = RowRoutes(prompt.routes)
         self._sample(slice(first, first + len(samples)), logits)
 
-    def _new_row(self, request: Request, index: int) -> _Row:
+    def _new_row(self, request: Request, index: int) -> Row:
         params = request.params
         max_tokens = params.max_tokens
         if self.max_positions is not None:  # the last token fed needs a position < max
@@ -408,7 +301,7 @@ class Decoder:
         if params.seed is not None:
             generator = torch.Generator()
             generator.manual_seed(_row_seed(params.seed, index))
-        return _Row(request, index, generator, max_tokens, [PolicySegment(0, self.version)])
+        return Row(request, index, generator, max_tokens, [PolicySegment(0, self.version)])
 
     # ---- decode ------------------------------------------------------------------------
 
@@ -489,7 +382,7 @@ class Decoder:
             row.request.complete(row.index, row.to_sequence(reason))
         self._remove([index for index, _ in finished])
 
-    def _remember(self, index: int, row: _Row) -> None:
+    def _remember(self, index: int, row: Row) -> None:
         """Keep the row's KV for prompts that extend it, unless older weights computed any of it."""
         if self.prefix_cache.max_entries == 0 or row.segments != [PolicySegment(0, self.version)]:
             return
@@ -527,26 +420,6 @@ def inference_copy(
     with contextlib.suppress(AttributeError, ValueError):
         engine_model.set_attn_implementation(ATTENTION_NAME)
     return engine_model
-
-
-def settle(
-    loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future[Any],
-    result: Any = None,
-    error: BaseException | None = None,
-) -> None:
-    """Resolve ``future`` on its own loop, from any thread."""
-
-    def resolve() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-    with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits the future any more
-        loop.call_soon_threadsafe(resolve)
 
 
 def _accepts_logits_to_keep(model: Any) -> bool:

@@ -71,13 +71,9 @@ from dataclasses import replace
 
 import torch
 
-from post_training_cookbook.engine.decoder import (
-    Decoder,
-    EngineStats,
-    Request,
-    inference_copy,
-)
+from post_training_cookbook.engine.decoder import Decoder, inference_copy
 from post_training_cookbook.engine.prefix_cache import default_max_bytes
+from post_training_cookbook.engine.rows import EngineStats, Request
 from post_training_cookbook.engine.threads import release_idle_openmp_pool, set_own_thread_count
 from post_training_cookbook.engine.types import (
     SampledSequence,

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import torch
 
-from post_training_cookbook.engine.decoder import settle
+from post_training_cookbook.engine.rows import settle
 from post_training_cookbook.engine.types import (
     PolicySegment,
     SampledSequence,

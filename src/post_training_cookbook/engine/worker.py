@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from post_training_cookbook.engine.decoder import settle
+from post_training_cookbook.engine.rows import settle
 from post_training_cookbook.engine.types import WeightsMode
 
 

@@ -1,19 +1,12 @@
-"""What ``evaluate`` scores: a catalog id, a local Hugging Face folder, or a GRPO run's weights
-(``runs/models.py``, with a run's config.yaml read as a ``GRPOConfig``)."""
+"""What ``evaluate`` scores: a catalog id, a local Hugging Face folder, or a run's weights
+(``runs/models.py``; a run's config.yaml read with the config class the caller hands in, by
+default GRPO's, as the package's entry names it in ``runs/__init__.py``)."""
 
-from __future__ import annotations
-
-import os
-
-from post_training_cookbook.grpo.config import GRPOConfig
-from post_training_cookbook.runs import models
-from post_training_cookbook.runs.models import CHECKPOINT_MARKER, EvalModel, load_eval_weights
+from post_training_cookbook.runs.models import (
+    CHECKPOINT_MARKER,
+    EvalModel,
+    load_eval_weights,
+    resolve_eval_model,
+)
 
 __all__ = ["CHECKPOINT_MARKER", "EvalModel", "load_eval_weights", "resolve_eval_model"]
-
-
-def resolve_eval_model(
-    model: str | os.PathLike[str], *, step: int | None = None, codec: str | None = None
-) -> EvalModel:
-    """Decide what to load from metadata alone; ``ValueError`` says what is wrong."""
-    return models.resolve_eval_model(model, step=step, codec=codec, config_type=GRPOConfig)

@@ -34,7 +34,6 @@ from post_training_cookbook.rollout import (
 
 if TYPE_CHECKING:
     from post_training_cookbook.evaluation.benchmarks import BenchmarkScore
-    from post_training_cookbook.grpo.config import GRPOConfig
 
 LENGTH_CAPPED_WARNING = 0.2
 """Above this ``eval/length_capped``, the printed table warns that truncation dominates."""
@@ -50,7 +49,8 @@ class EvalSettings:
     episodes_per_task: int = 1
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     """The bounds every evaluated episode plays within and the env error policy (defaults:
-    ``GRPOConfig``'s)."""
+    ``GRPOConfig``'s; a GRPO run's own, with its validation's temperature and episodes per
+    task: ``grpo.settings.eval_settings``)."""
     temperature: float = 1.0
     top_p: float = 1.0
     success_threshold: float = 1.0
@@ -63,19 +63,6 @@ class EvalSettings:
 
         if (problem := temperature_problem(self.temperature)) is not None:
             raise ValueError(f"temperature {problem}")
-
-    @classmethod
-    def from_config(cls, config: GRPOConfig) -> EvalSettings:
-        """The settings of the run's validation: the same limits, ``val_temperature`` and
-        ``val_episodes_per_task``, so an evaluation compares with its ``val/`` numbers."""
-        from post_training_cookbook.grpo.settings import episode_limits
-
-        return cls(
-            episodes_per_task=config.val_episodes_per_task,
-            limits=episode_limits(config),
-            temperature=config.val_temperature,
-            top_p=config.top_p,
-        )
 
     def with_limits(self, **changes: Any) -> EvalSettings:
         """These settings with some of the episode limits changed."""

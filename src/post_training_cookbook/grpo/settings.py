@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from post_training_cookbook.distill.advantages import DistillSettings
 from post_training_cookbook.distill.teacher import ScoringSettings, TeacherSpec, is_endpoint
 from post_training_cookbook.engine.types import SamplingParams
+from post_training_cookbook.evaluation.results import EvalSettings
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.validation import loss_config_of
@@ -204,6 +205,17 @@ def episode_limits(config: GRPOConfig) -> EpisodeLimits:
         env_step_timeout_s=config.env_step_timeout_s,
         env_errors=config.env_errors,
         env_retry_attempts=config.env_retry_attempts,
+    )
+
+
+def eval_settings(config: GRPOConfig) -> EvalSettings:
+    """The settings of the run's validation: the same limits, ``val_temperature`` and
+    ``val_episodes_per_task``, so an evaluation compares with its ``val/`` numbers."""
+    return EvalSettings(
+        episodes_per_task=config.val_episodes_per_task,
+        limits=episode_limits(config),
+        temperature=config.val_temperature,
+        top_p=config.top_p,
     )
 
 

@@ -6,9 +6,10 @@ with ``step=N`` its training checkpoint ``checkpoints/step_<N>``. A checkpoint f
 also be named directly. A training checkpoint holds only the trainable weights (the LoRA
 adapter, or every weight), so it is applied to the base model named in the run's
 ``config.yaml`` (read with the config class of the loop that wrote it, which the caller
-hands in: ``config_type``) and sampled with merged weights, once its files match the sha256 its
-``manifest.json`` lists (as on resume). Both keep the base model's catalog entry (codec,
-codec options, default dtype), so a run's model renders prompts exactly as the run did.
+hands in: ``config_type``, else the package's default, ``runs/__init__.py``) and sampled
+with merged weights, once its files match the sha256 its ``manifest.json`` lists (as on
+resume). Both keep the base model's catalog entry (codec, codec options, default dtype), so
+a run's model renders prompts exactly as the run did.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from post_training_cookbook.models.catalog import ModelInfo, resolve_model
+from post_training_cookbook.runs import default_config_type
 from post_training_cookbook.runs.checks import check_manifest
 from post_training_cookbook.runs.config import model_short_name
 from post_training_cookbook.trainer.types import Precision, TrainerSettings
@@ -155,8 +157,8 @@ def resolve_eval_model(
     config_type: Any = None,
 ) -> EvalModel:
     """Decide what to load from metadata alone; ``ValueError`` says what is wrong.
-    ``config_type``: the config class whose ``from_yaml`` reads a run's config.yaml (a run or
-    one of its checkpoints is refused without it)."""
+    ``config_type``: the config class whose ``from_yaml`` reads a run's config.yaml (None:
+    the package's default, GRPO's; ``runs/__init__.py``)."""
     path = Path(model).expanduser()
     if (path / CHECKPOINT_MARKER).is_file():
         if step is not None:
@@ -232,6 +234,8 @@ def _from_checkpoint(checkpoint: Path, codec: str | None, config_type: Any) -> E
 
 
 def _run_base(run: Path, codec: str | None, config_type: Any) -> tuple[RunModelConfig, ModelInfo]:
+    if config_type is None:
+        config_type = default_config_type()
     if config_type is None:
         raise ValueError(
             f"{run} is a run folder: its config.yaml needs the config class of the loop that "

@@ -9,7 +9,8 @@ structured output, forced tool choice, top logprobs) are refused with a 400 that
 ``stream: true`` is answered as server-sent events (``stream_chunks``): the completion is
 computed whole, then written as the chunks a streaming client reads; fields that do not
 change what is sampled (``user``, ``metadata``, ``store``, ``parallel_tool_calls``...) are
-ignored.
+ignored. The module passes 400 lines because it is the one place a request's fields are
+read: half of it is the small checks, each refusing one malformed field by name.
 """
 
 from __future__ import annotations

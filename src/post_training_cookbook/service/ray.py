@@ -24,22 +24,20 @@ steps, sequences in flight go on). A publication that does not finish within
 ``weight_sync_timeout_s`` raises ``WeightSyncTimeoutError`` naming the replicas that did not
 confirm: at once for SYNCHRONOUS, at the next service call for the deferred types.
 
-Failure: an actor that dies (process killed, OOM, node lost) fails the calls waiting on it
-with ``WorkerDiedError`` naming it (``trainer rank 1 (pid 1234 on host)``) — Ray reports the
-death, so nothing waits forever, and the ranks still alive give up their collectives after
-the collective timeout. The service replaces no actor: the run stops and resumes from its
-last checkpoint.
+Failure: an actor that dies fails the calls waiting on it with ``WorkerDiedError``; the
+service replaces no actor (``ray_failures.py``).
 
-About 450 lines: the service is one class whose calls share the failure and version
+Over 400 lines: the service is one class whose calls share the failure and version
 bookkeeping (fanning out to the trainer ranks added to it); the actors are in
-``ray_actors``, their start in ``ray_startup``, the routing in ``routing``.
+``ray_actors``, their start in ``ray_startup``, the routing in ``routing``, how a failure is
+told apart from its consequences in ``ray_failures``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -48,6 +46,12 @@ from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.service.base import IdleClock, ModelService, PathLike
 from post_training_cookbook.service.ray_actors import EngineSpec
 from post_training_cookbook.service.ray_env import check_scale_dependencies
+from post_training_cookbook.service.ray_failures import (
+    WeightSyncTimeoutError,
+    WorkerDiedError,
+    first_failure,
+    outcome,
+)
 from post_training_cookbook.service.ray_startup import (
     ActorLayout,
     Actors,
@@ -69,14 +73,6 @@ from post_training_cookbook.trainer.types import (
     TrainerSettings,
     TrainingSample,
 )
-
-
-class WorkerDiedError(RuntimeError):
-    """A trainer or generator actor died; the message names it."""
-
-
-class WeightSyncTimeoutError(TimeoutError):
-    """A weights publication did not reach every generator in time."""
 
 
 class RayModelService(ModelService):
@@ -266,7 +262,7 @@ class RayModelService(ModelService):
         }
         for call, replica in calls.items():  # counted when it lands, also after a timeout
             call.add_done_callback(functools.partial(self._landed_late, replica, version))
-        await _first_failure([*trainer_calls, *calls], timeout=self.weight_sync_timeout_s)
+        await first_failure([*trainer_calls, *calls], timeout=self.weight_sync_timeout_s)
         late = sorted(replica for call, replica in calls.items() if not call.done())
         for call, replica in calls.items():
             if call.done():
@@ -374,7 +370,7 @@ class RayModelService(ModelService):
             asyncio.ensure_future(self._call(rank, getattr(trainer, method).remote(*args)))
             for rank, trainer in enumerate(self._trainers)
         ]
-        await _first_failure(calls)
+        await first_failure(calls)
         return calls[0].result()
 
     def _slot(self, replica: int) -> int:
@@ -414,42 +410,8 @@ class RayModelService(ModelService):
         that fails or takes over a minute is killed anyway."""
         await asyncio.gather(*self._publishing, return_exceptions=True)
         closing = [a.close.remote() for a in [*self._trainers, *self._generators]]
-        await asyncio.wait([asyncio.ensure_future(_awaited(c)) for c in closing], timeout=60)
+        await asyncio.wait([asyncio.ensure_future(outcome(c)) for c in closing], timeout=60)
         stop_actors(self._actors)
-
-
-DEATH_REPORT_S = 10.0
-"""How long a failed call waits for its peers' deaths to be reported: a rank whose peer was
-killed fails its collective at once (connection reset), a little before Ray reports the
-death, which is the error that names the cause."""
-
-
-async def _first_failure(
-    calls: Sequence[asyncio.Future[Any]], timeout: float | None = None
-) -> None:
-    """Wait for ``calls`` (at most ``timeout``); raise the first failure, preferring a
-    ``WorkerDiedError`` reported within ``DEATH_REPORT_S`` of it. Calls still running are
-    left to finish; their errors are consequences of the one raised."""
-    done, pending = await asyncio.wait(calls, timeout=timeout, return_when=asyncio.FIRST_EXCEPTION)
-    failed = [call for call in calls if call in done and call.exception() is not None]
-    if failed and pending and not any(_died(call) for call in failed):
-        more, pending = await asyncio.wait(
-            pending, timeout=DEATH_REPORT_S, return_when=asyncio.FIRST_EXCEPTION
-        )
-        failed += [call for call in more if call.exception() is not None]
-    for call in pending:
-        call.add_done_callback(_retrieved)
-    if failed:
-        raise next((c for c in failed if _died(c)), failed[0]).exception()  # type: ignore[misc]
-
-
-def _died(call: asyncio.Future[Any]) -> bool:
-    return isinstance(call.exception(), WorkerDiedError)
-
-
-def _retrieved(call: asyncio.Future[Any]) -> None:
-    if not call.cancelled():
-        call.exception()
 
 
 def syncs_adapter_alone(
@@ -472,10 +434,3 @@ def syncs_adapter_alone(
             "rows: use lora_sync='merged'"
         )
     return True
-
-
-async def _awaited(ref: Awaitable[Any]) -> Any:
-    try:
-        return await ref
-    except Exception as error:  # closing: a dead or failing actor is killed anyway
-        return error

@@ -3,14 +3,13 @@ assistant's tokens only (docs/sft.md). ``collect_demonstrations`` makes such con
 from an env's episodes."""
 
 from post_training_cookbook.sft.config import SFTConfig, TrainOn
-from post_training_cookbook.sft.data import (
+from post_training_cookbook.sft.conversations import (
     Conversation,
     SFTDataError,
-    SFTExample,
     load_conversations,
     read_conversations,
-    render_examples,
 )
+from post_training_cookbook.sft.data import SFTExample, render_examples
 from post_training_cookbook.sft.demonstrations import (
     Demonstrations,
     ScriptedChat,

@@ -27,7 +27,7 @@ from post_training_cookbook.files import write_text_atomic
 from post_training_cookbook.rollout import EpisodeLimits, Group, check_episode_inputs
 from post_training_cookbook.rollout.chat import ChatRunner, ChatSampler, ChatTurn, play_chat_group
 from post_training_cookbook.rollout.guards import env_property
-from post_training_cookbook.sft.data import Conversation, check_messages
+from post_training_cookbook.sft.conversations import Conversation, check_messages
 from post_training_cookbook.sync import run_sync
 from post_training_cookbook.types import Message, ToolSpec
 

@@ -43,14 +43,8 @@ from post_training_cookbook.runs.reporting import ConsoleProgress, RunLog, Wandb
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, check_service_spec, open_service
 from post_training_cookbook.sft.config import SFTConfig
-from post_training_cookbook.sft.data import (
-    Conversation,
-    RenderedData,
-    SFTExample,
-    load_conversations,
-    plan_batches,
-    render_examples,
-)
+from post_training_cookbook.sft.conversations import Conversation, load_conversations
+from post_training_cookbook.sft.data import RenderedData, SFTExample, plan_batches, render_examples
 from post_training_cookbook.sync import run_sync
 from post_training_cookbook.trainer.types import SFT_LOSS, LossConfig
 

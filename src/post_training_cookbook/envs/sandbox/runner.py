@@ -19,6 +19,9 @@ on the host, which owns most files, so even a file bound by mistake would be rea
 only that sandbox's processes; set on ``bwrap`` before it creates the namespace, it would
 count every process of the user on the host, so 32 concurrent sandboxes would share one
 budget.
+
+The module passes 400 lines because it is one process tree's life, from its command line to
+its last reaped child, and a quarter of it is this account of what the isolation holds.
 """
 
 from __future__ import annotations
