@@ -22,7 +22,8 @@ from post_training_cookbook.models import resolve_model
 from post_training_cookbook.models.loading import load_codec, load_model
 from post_training_cookbook.runs.checks import checkpoint_folders
 from post_training_cookbook.sft.config import SFTConfig
-from post_training_cookbook.sft.data import read_conversations, render_examples
+from post_training_cookbook.sft.conversations import read_conversations
+from post_training_cookbook.sft.data import render_examples
 from post_training_cookbook.sft.train import service_spec
 from post_training_cookbook.trainer.trainer import Trainer
 

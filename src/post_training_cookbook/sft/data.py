@@ -22,9 +22,6 @@ from typing import Any
 
 from post_training_cookbook.codecs import Codec
 from post_training_cookbook.sft.conversations import Conversation, SFTDataError
-from post_training_cookbook.sft.conversations import (  # its old path, kept for recipes/bfcl
-    read_conversations as read_conversations,
-)
 from post_training_cookbook.trainer.types import TrainingSample
 
 
