@@ -7,25 +7,7 @@
 # model and of a random-initialised Qwen3-1.7B-shaped model in bf16, LoRA and full weight,
 # printing tokens/s, step time and peak GPU memory. Well inside 10 minutes on an H200; each
 # part has its own timeout, and a failing part does not stop the ones after it.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline DO_NOT_TRACK=1
-export PYTHONUNBUFFERED=1
-status=0
-step() {  # step NAME TIMEOUT COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name"
-    local started=$SECONDS
-    timeout "$limit" "$@"
-    local rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - started)) s"
-    [ "$rc" = 0 ] || status=1
-}
-
-"$PYTHON" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . \
-    || { echo "could not install the package"; exit 1; }
+source "$(dirname "$0")/gpu_common.sh"
 "$PYTHON" - <<'PY' || exit 1
 import torch, transformers, peft
 assert torch.cuda.is_available(), "no CUDA device"

@@ -16,25 +16,7 @@
 # transformers it says so and runs only the router replay parts (on Qwen3-MoE). Well inside
 # 10 minutes on an H200; each part has its own timeout, and a failing part does not stop the
 # ones after it.
-set -uo pipefail
-cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python3}"
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline DO_NOT_TRACK=1
-export PYTHONUNBUFFERED=1
-status=0
-step() {  # step NAME TIMEOUT COMMAND...
-    local name=$1 limit=$2
-    shift 2
-    echo "=== $name"
-    local started=$SECONDS
-    timeout "$limit" "$@"
-    local rc=$?
-    echo "=== $name: exit $rc after $((SECONDS - started)) s"
-    [ "$rc" = 0 ] || status=1
-}
-
-"$PYTHON" -m pip install -q --no-deps --no-build-isolation --disable-pip-version-check -e . \
-    || { echo "could not install the package"; exit 1; }
+source "$(dirname "$0")/gpu_common.sh"
 if [ -n "${GDN_WHEELS:-}" ]; then
     step "fused Gated DeltaNet kernels from $GDN_WHEELS" 120 \
         "$PYTHON" -m pip install -q --no-index --no-deps --disable-pip-version-check \

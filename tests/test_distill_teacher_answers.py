@@ -14,6 +14,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+from json_fuzz import SPECIAL_FLOATS, JsonFuzzer
 from test_serve_common import Scripted, ScriptedEndpoint
 
 from post_training_cookbook.distill import DistillSettings, EndpointTeacher, distill_batch
@@ -116,55 +117,14 @@ def valid_answer(samples: list[TrainingSample]) -> dict[str, Any]:
     return {"id": "x", "object": "text_completion", "choices": choices}
 
 
-def any_value(rng: random.Random, depth: int = 0) -> Any:
-    kinds = ["null", "bool", "int", "float", "special", "str", "list", "dict"]
-    kind = rng.choice(kinds[:6] if depth > 3 else kinds)
-    if kind == "null":
-        return None
-    if kind == "bool":
-        return rng.random() < 0.5
-    if kind == "int":
-        return rng.choice([0, 1, -1, 7, 2**70, -(2**70)])
-    if kind == "float":
-        return rng.choice([-1.0, 0.5, 1e308, -1e308, 5e-324, -0.0])
-    if kind == "special":
-        return rng.choice([float("nan"), float("inf"), float("-inf")])
-    if kind == "str":
-        return rng.choice(["", "6", "logprob", "\ud800", "NaN", "x" * 100])
-    if kind == "list":
-        return [any_value(rng, depth + 1) for _ in range(rng.randrange(4))]
-    return {rng.choice(["6", "7", "logprob", "index"]): any_value(rng, depth + 1)}
-
-
-def mutate(rng: random.Random, node: Any, depth: int = 0) -> Any:
-    """``node`` with one random change somewhere below it."""
-    if depth > 0 and rng.random() < 0.3:
-        return any_value(rng)
-    if isinstance(node, dict) and node:
-        key = rng.choice(list(node))
-        changed = dict(node)
-        roll = rng.random()
-        if roll < 0.15:
-            del changed[key]
-        elif roll < 0.25:
-            changed[rng.choice(["index", "logprob", "7", "extra"])] = any_value(rng)
-        else:
-            changed[key] = mutate(rng, node[key], depth + 1)
-        return changed
-    if isinstance(node, list) and node:
-        changed_list = list(node)
-        roll = rng.random()
-        if roll < 0.1:
-            changed_list.pop(rng.randrange(len(changed_list)))
-        elif roll < 0.2:
-            changed_list.append(any_value(rng))
-        elif roll < 0.3:
-            rng.shuffle(changed_list)
-        else:
-            at = rng.randrange(len(changed_list))
-            changed_list[at] = mutate(rng, changed_list[at], depth + 1)
-        return changed_list
-    return any_value(rng)
+FUZZ = JsonFuzzer(
+    ints=[0, 1, -1, 7, 2**70, -(2**70)],
+    floats=[-1.0, 0.5, 1e308, -1e308, 5e-324, -0.0, *SPECIAL_FLOATS],
+    strings=["", "6", "logprob", "\ud800", "NaN", "x" * 100],
+    keys=["6", "7", "logprob", "index"],
+    added_keys=["index", "logprob", "7", "extra"],
+    replace_below_top=0.3,
+)
 
 
 def test_a_fuzz_of_the_teacher_answer_parser_raises_only_teacher_errors() -> None:
@@ -182,7 +142,7 @@ def test_a_fuzz_of_the_teacher_answer_parser_raises_only_teacher_errors() -> Non
         for _ in range(FUZZ_ANSWERS):
             body: Any = valid_answer(samples)
             for _ in range(rng.randrange(1, 4)):
-                body = mutate(rng, body)
+                body = FUZZ.mutate(rng, body)
             started = time.perf_counter()
             try:
                 values = prompt_logprobs(body, samples, teacher="t", student="s")

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from json_fuzz import JsonFuzzer
 
 from post_training_cookbook.codecs import get_codec
 from post_training_cookbook.sft import SFTDataError, read_conversations
@@ -159,57 +160,20 @@ GOOD_RECORD = conversation(
 )
 
 
-def any_value(rng: random.Random, depth: int = 0) -> Any:
-    kinds = ["null", "bool", "int", "float", "str", "list", "dict"]
-    kind = rng.choice(kinds[:5] if depth > 3 else kinds)
-    if kind == "null":
-        return None
-    if kind == "bool":
-        return rng.random() < 0.5
-    if kind == "int":
-        return rng.choice([0, 5, -1, 2**70])
-    if kind == "float":
-        return rng.choice([0.5, 1e308, float("nan")])
-    if kind == "str":
-        return rng.choice(["", "c1", "assistant", "tool", "{}", "[1]", "<|im_end|>", "x" * 50])
-    if kind == "list":
-        return [any_value(rng, depth + 1) for _ in range(rng.randrange(3))]
-    key = rng.choice(["role", "content", "tool_calls", "id", "name", "arguments", "weight"])
-    return {key: any_value(rng, depth + 1)}
-
-
-def mutate(rng: random.Random, node: Any, depth: int = 0) -> Any:
-    if depth > 0 and rng.random() < 0.25:
-        return any_value(rng)
-    if isinstance(node, dict) and node:
-        changed = dict(node)
-        key = rng.choice(list(node))
-        roll = rng.random()
-        if roll < 0.15:
-            del changed[key]
-        elif roll < 0.25:
-            changed[rng.choice(["tool_call_id", "tool_calls", "weight", "extra"])] = any_value(rng)
-        else:
-            changed[key] = mutate(rng, node[key], depth + 1)
-        return changed
-    if isinstance(node, list) and node:
-        changed_list = list(node)
-        roll = rng.random()
-        if roll < 0.15:
-            changed_list.pop(rng.randrange(len(changed_list)))
-        elif roll < 0.25:
-            rng.shuffle(changed_list)
-        else:
-            at = rng.randrange(len(changed_list))
-            changed_list[at] = mutate(rng, changed_list[at], depth + 1)
-        return changed_list
-    return any_value(rng)
+FUZZ = JsonFuzzer(
+    ints=[0, 5, -1, 2**70],
+    floats=[0.5, 1e308, float("nan")],
+    strings=["", "c1", "assistant", "tool", "{}", "[1]", "<|im_end|>", "x" * 50],
+    keys=["role", "content", "tool_calls", "id", "name", "arguments", "weight"],
+    added_keys=["tool_call_id", "tool_calls", "weight", "extra"],
+    longest_list=2,
+)
 
 
 def line_bytes(rng: random.Random) -> bytes:
     record: Any = GOOD_RECORD
     for _ in range(rng.randrange(3)):
-        record = mutate(rng, record)
+        record = FUZZ.mutate(rng, record)
     raw = json.dumps(record).encode()
     roll = rng.random()
     if roll < 0.05 and raw:  # a byte flipped: bad UTF-8, or JSON no longer
