@@ -1,11 +1,12 @@
-"""Would greedy decoding write the tool-call tags where demonstrations put them?
+"""Would greedy decoding write the tool-call tags, and open each reply, as the demonstrations do?
 
     python recipes/bfcl/tag_probe.py OUT [STEP] [--conversations N]
 
 Scores the first N (default 1) demonstrations of ``OUT/demos.jsonl`` with the SFT run's
 newest checkpoint (or checkpoint STEP; ``0``: the start model), and prints, at each trained
 position whose target is ``<tool_call>`` or ``</tool_call>``, the tag's log-probability and
-the token the model ranks first. A model that ranks something else first (``<|im_start|>``,
+the token the model ranks first; the same at the first token of each assistant reply (a call's
+tag, or the text that ends a user turn). A model that ranks something else first (``<|im_start|>``,
 a piece of the tag's text) writes no parseable call however good the call itself is
 (``docs/models.md``, "Untrained special tokens"). Costs one forward of each conversation.
 """
@@ -52,25 +53,29 @@ def main() -> None:
         print(f"checkpoint {chosen.name}")
     conversations = read_conversations(args.out / "demos.jsonl")[: args.conversations]
     examples = render_examples(codec, conversations, "all", config.max_model_length).examples
-    tags = {codec.tokenizer.convert_tokens_to_ids(t): t for t in TOOL_CALL_TAGS}
-    wins = total = 0
+    tags = {codec.tokenizer.convert_tokens_to_ids(t) for t in TOOL_CALL_TAGS}
+    name = codec.tokenizer.convert_ids_to_tokens
+    wins = {"tag": [0, 0], "reply opening": [0, 0]}
     with torch.no_grad():
         for example in examples:
             logits = model(torch.tensor([example.tokens])).logits[0].float()
             logprobs = logits.log_softmax(-1)
             for position in range(1, len(example.tokens)):
                 target = example.tokens[position]
-                if not example.mask[position] or target not in tags:
+                opens = example.mask[position] and not example.mask[position - 1]
+                if not example.mask[position] or not (target in tags or opens):
                     continue
+                kind = "tag" if target in tags else "reply opening"
                 row = logprobs[position - 1]
                 best = int(row.argmax())
-                total += 1
-                wins += best == target
+                wins[kind][0] += best == target
+                wins[kind][1] += 1
                 print(
-                    f"{tags[target]:>12} lp {row[target].item():7.3f}   first: "
-                    f"{codec.tokenizer.convert_ids_to_tokens(best)!r} lp {row[best].item():.3f}"
+                    f"{kind:>13} {name(target)!r:>16} lp {row[target].item():7.3f}   first: "
+                    f"{name(best)!r} lp {row[best].item():.3f}"
                 )
-    print(f"tag ranked first at {wins} of {total} tag positions")
+    for kind, (won, total) in wins.items():
+        print(f"{kind}: the demonstration's token ranked first at {won} of {total} positions")
 
 
 if __name__ == "__main__":
