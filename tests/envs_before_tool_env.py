@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from post_training_cookbook.envs.arithmetic import CalculatorTool, numbers_equal
 from post_training_cookbook.envs.base import Env, StepResult, Task, Tool, tool_to_spec
-from post_training_cookbook.envs.calculator.env import SYSTEM_PROMPT as MATH_SYSTEM_PROMPT
+from post_training_cookbook.bundled_envs.calculator.env import SYSTEM_PROMPT as MATH_SYSTEM_PROMPT
 from post_training_cookbook.envs.tool_use_game.env import (
     DEFAULT_MAX_TURNS,
     SYSTEM_PROMPT,

@@ -12,9 +12,7 @@ from typing import Any
 import pytest
 from test_serve_common import Scripted, ScriptedEndpoint, completion_json
 
-from post_training_cookbook.cli import main
-from post_training_cookbook.envs import Task
-from post_training_cookbook.envs.bfcl import (
+from post_training_cookbook.bundled_envs.bfcl import (
     CATEGORIES,
     NO_ANSWER_CATEGORIES,
     TEST_CATEGORIES,
@@ -27,6 +25,8 @@ from post_training_cookbook.envs.bfcl import (
     load_items,
     question_texts,
 )
+from post_training_cookbook.cli import main
+from post_training_cookbook.envs import Task
 from post_training_cookbook.evaluation import HostedModel, evaluate
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.rollout import TruncationCause

@@ -15,18 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from post_training_cookbook.envs.base import Task
-from post_training_cookbook.envs.bfcl.backends import Backends, DecodedCall
-from post_training_cookbook.envs.bfcl.ground_truth import GroundTruthPlayer, ground_truth_call
-from post_training_cookbook.envs.bfcl.multi_turn_data import (
+from post_training_cookbook.bundled_envs.bfcl.backends import Backends, DecodedCall
+from post_training_cookbook.bundled_envs.bfcl.ground_truth import (
+    GroundTruthPlayer,
+    ground_truth_call,
+)
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
     MULTI_TURN_CATEGORIES,
     MultiTurnEntry,
     held_out_scenarios,
     load_multi_turn_entries,
     scenario_split,
 )
-from post_training_cookbook.envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
-from post_training_cookbook.envs.bfcl.package import bfcl_multi_turn
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+from post_training_cookbook.bundled_envs.bfcl.package import bfcl_multi_turn
+from post_training_cookbook.envs.base import Task
 from post_training_cookbook.evaluation import evaluate
 from post_training_cookbook.evaluation.benchmarks import BenchmarkSpec, clustered_se
 from post_training_cookbook.models import BUNDLED_MODEL_ID
@@ -275,7 +278,7 @@ def bfcl_handler():
 def test_entry_verdicts_equal_bfcl_evals_runner_on_recorded_and_damaged_replies(bfcl_handler):
     from bfcl_eval.eval_checker.eval_runner import _evaluate_single_multi_turn_entry
 
-    from post_training_cookbook.envs.bfcl.backends import forget
+    from post_training_cookbook.bundled_envs.bfcl.backends import forget
 
     cases = recorded_and_perturbed()
     assert len(cases) == 12 * len(DAMAGES) + 8

@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from post_training_cookbook.envs import StepResult, Task, tool_to_spec
-from post_training_cookbook.envs.arithmetic import CalculatorTool, format_number, safe_eval
-from post_training_cookbook.envs.calculator import (
+from post_training_cookbook.bundled_envs.calculator import (
     CALCULATOR_TASKS,
     CALCULATOR_TRAIN_TASKS,
     CALCULATOR_VAL_TASKS,
     MathEnv,
     calculator_tasks,
 )
+from post_training_cookbook.envs import StepResult, Task, tool_to_spec
+from post_training_cookbook.envs.arithmetic import CalculatorTool, format_number, safe_eval
 from post_training_cookbook.types import FunctionCall, Message, ToolCall
 
 

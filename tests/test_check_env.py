@@ -522,7 +522,7 @@ def test_no_tasks_raise_value_error() -> None:
 
 
 def test_the_bundled_calculator_env_passes_check_env() -> None:
-    calculator = pytest.importorskip("post_training_cookbook.envs.calculator")
+    calculator = pytest.importorskip("post_training_cookbook.bundled_envs.calculator")
     report = check_env(lambda task: calculator.MathEnv(), calculator.CALCULATOR_TASKS)
     assert report.errors == [], str(report)
 

@@ -136,8 +136,8 @@ def test_train_runs_a_mixture_of_envs_from_a_yaml_and_logs_each_envs_metrics(cap
             {**VARIETY_ENV, "name": "variety", "weight": 3},
             {
                 "name": "calculator",
-                "factory": "post_training_cookbook.envs.calculator:MathEnv",
-                "tasks": "post_training_cookbook.envs.calculator:CALCULATOR_TRAIN_TASKS",
+                "factory": "post_training_cookbook.bundled_envs.calculator:MathEnv",
+                "tasks": "post_training_cookbook.bundled_envs.calculator:CALCULATOR_TRAIN_TASKS",
             },
         ]
     }
@@ -160,10 +160,10 @@ def test_train_runs_a_mixture_of_envs_from_a_yaml_and_logs_each_envs_metrics(cap
 
 
 def test_eval_with_a_mixture_config_plays_its_validation_tasks_each_on_its_own_env(tmp_path):
+    from post_training_cookbook.bundled_envs.calculator import MathEnv
     from post_training_cookbook.cli.loading import eval_env, load_train_config
-    from post_training_cookbook.envs.calculator import MathEnv
 
-    calculator = "post_training_cookbook.envs.calculator"
+    calculator = "post_training_cookbook.bundled_envs.calculator"
     calc = {
         "name": "calc",
         "factory": f"{calculator}:MathEnv",

@@ -25,7 +25,7 @@ from test_grpo_common import Closes, mode_envs, step_metrics
 from test_grpo_hosted_guide_snippets import VALIDATION_OFF, in_a_fresh_folder, printed
 from test_hosted_guide_math_env import MathEnv
 
-from post_training_cookbook.envs.calculator import calculator_tasks
+from post_training_cookbook.bundled_envs.calculator import calculator_tasks
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn

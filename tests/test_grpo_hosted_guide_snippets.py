@@ -28,8 +28,8 @@ from test_grpo_common import (
 )
 from test_hosted_guide_math_env import MathEnv
 
+from post_training_cookbook.bundled_envs.calculator import calculator_tasks
 from post_training_cookbook.envs import Task
-from post_training_cookbook.envs.calculator import calculator_tasks
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn, train_single_turn

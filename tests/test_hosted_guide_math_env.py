@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from post_training_cookbook.bundled_envs.calculator import MathEnv as PackagedMathEnv
 from post_training_cookbook.envs.arithmetic import safe_eval
-from post_training_cookbook.envs.calculator import MathEnv as PackagedMathEnv
 
 # isort: split
 # fmt: off

@@ -24,16 +24,10 @@ DOC = ROOT / "docs" / "architecture.md"
 
 # Imports the checks below refuse that are still in the package, each to be cut (and then
 # struck from here: the checks fail on a listed import that is gone, as on a new one).
-KNOWN_UPWARD: set[str] = {
-    # The deprecated ``envs.LocalJudge`` and ``envs.judge.LocalJudge`` paths (imported by name
-    # when asked for), gone next release.
-    "envs -> evaluation.local_judge",
-    "envs.judge -> evaluation.local_judge",
-}
-KNOWN_CIRCLES: set[str] = {
-    # The circle those two close: evaluation stands on envs/ through all of these.
-    "envs/, evaluation/, rollout/, runs/",
-}
+# (Old paths of what moved up the layers are served from the top, ``moved_paths.py``, so a
+# deprecation shim adds none.)
+KNOWN_UPWARD: set[str] = set()
+KNOWN_CIRCLES: set[str] = set()
 
 
 class Import(NamedTuple):
@@ -270,6 +264,10 @@ def test_the_checker_parses_imports_it_must_refuse() -> None:
     assert shim in by_name  # moved_module(__name__, "post_training_cookbook.trainer.trainer")
     height = {unit: i for i, (_, units) in enumerate(reversed(layer_table())) for unit in units}
     assert height["envs/"] < height["rollout/"] < height["trainer/"] < height["service/"]
+    # The env contract is below what is built on it: tool backends and the bundled envs.
+    assert height["envs/"] < height["tool_backends/"] and height["envs/"] < height["bundled_envs/"]
+    moved = ("post_training_cookbook.moved_paths", "post_training_cookbook.tool_backends.sandbox")
+    assert moved in by_name  # the table of old paths names the new homes, from the top
     assert height["service/"] < height["grpo/"] < height["cli/"]
     # evaluation reads a GRPO run's folder and settings without importing grpo/: kept below it,
     # an import of grpo/ from evaluation/ is an upward one.

@@ -14,7 +14,7 @@ pytest.importorskip("mcp")
 
 from test_grpo_common import step_metrics
 
-from post_training_cookbook.envs import MCPStdioServer, MCPToolbox
+from post_training_cookbook.tool_backends import MCPStdioServer, MCPToolbox
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "mcp.md"
 

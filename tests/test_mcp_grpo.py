@@ -22,13 +22,13 @@ from post_training_cookbook.engine.types import (
     SamplingParams,
 )
 from post_training_cookbook.envs import Task, ToolEnv, exact_answer, numeric_answer
-from post_training_cookbook.envs.mcp_connection import MCPStdioServer
-from post_training_cookbook.envs.mcp_tools import MCPToolbox
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS
 from post_training_cookbook.envs.tool_use_game.env import SYSTEM_PROMPT
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.service import LocalModelService
+from post_training_cookbook.tool_backends.mcp_connection import MCPStdioServer
+from post_training_cookbook.tool_backends.mcp_tools import MCPToolbox
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,10 @@ pytest.importorskip("mcp")
 
 from test_mcp_tools import processes_with, wait_until_gone
 
-from post_training_cookbook.envs import ToolBackendError, mcp_connection
-from post_training_cookbook.envs.mcp_connection import MCPConnection, MCPStdioServer
-from post_training_cookbook.envs.mcp_tools import MCPToolbox
+from post_training_cookbook.envs import ToolBackendError
+from post_training_cookbook.tool_backends import mcp_connection
+from post_training_cookbook.tool_backends.mcp_connection import MCPConnection, MCPStdioServer
+from post_training_cookbook.tool_backends.mcp_tools import MCPToolbox
 
 SERVER = Path(__file__).resolve().parent / "mcp_raw_server.py"
 

@@ -23,12 +23,12 @@ pytest.importorskip("mcp")
 
 from post_training_cookbook.envs import ToolBackendError, ToolEnv, exact_answer
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.envs.mcp_connection import (
+from post_training_cookbook.tool_backends.mcp_connection import (
     MCPHttpServer,
     MCPServerSpec,
     MCPStdioServer,
 )
-from post_training_cookbook.envs.mcp_tools import MCPToolbox, MCPToolCallError
+from post_training_cookbook.tool_backends.mcp_tools import MCPToolbox, MCPToolCallError
 from post_training_cookbook.types import Message
 
 ROOT = Path(__file__).resolve().parents[1]

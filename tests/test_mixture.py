@@ -21,8 +21,8 @@ from test_grpo_common import (
 )
 from test_grpo_resume import forget_after
 
+from post_training_cookbook.bundled_envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs import Task, check_env
-from post_training_cookbook.envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry, env_name
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
 from post_training_cookbook.grpo.data import MixtureStream, TaskStream, task_stream

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+import post_training_cookbook
+from post_training_cookbook.deprecation import REMOVAL_RELEASE
 
 MOVED_MODULES = [
     "trainer",
@@ -62,6 +68,11 @@ def test_old_endpoints_module_is_the_openai_api_module_and_warns() -> None:
 
 MOVED_NAMES = [
     ("envs", "LocalJudge", "evaluation.local_judge"),
+    ("envs", "MCPToolbox", "tool_backends"),
+    ("envs", "MCPTool", "tool_backends"),
+    ("envs", "MCPToolCallError", "tool_backends"),
+    ("envs", "MCPStdioServer", "tool_backends"),
+    ("envs", "MCPHttpServer", "tool_backends"),
     ("envs.judge", "LocalJudge", "evaluation.local_judge"),
     ("models", "infer_codec_name", "codecs.inference"),
     ("models.catalog", "infer_codec_name", "codecs.inference"),
@@ -116,3 +127,85 @@ def test_generic_config_rules_of_grpo_validation_warn_and_give_the_runs_ones(nam
     with pytest.warns(DeprecationWarning, match=f"grpo.validation.{name} moved"):
         moved = getattr(validation, name)
     assert moved is getattr(config, name)
+
+
+ENVS_SPLIT = [  # envs/ split in three: the contract stays, these left it (old → new)
+    ("envs.mcp_connection", "tool_backends.mcp_connection"),
+    ("envs.mcp_tools", "tool_backends.mcp_tools"),
+    ("envs.process_marks", "tool_backends.process_marks"),
+    ("envs.sandbox", "tool_backends.sandbox"),
+    ("envs.sandbox.pool", "tool_backends.sandbox.pool"),
+    ("envs.sandbox.runner", "tool_backends.sandbox.runner"),
+    ("envs.calculator", "bundled_envs.calculator"),
+    ("envs.calculator.tasks", "bundled_envs.calculator.tasks"),
+    ("envs.bfcl", "bundled_envs.bfcl"),
+    ("envs.bfcl.checker", "bundled_envs.bfcl.checker"),
+    ("envs.bfcl.multi_turn_env", "bundled_envs.bfcl.multi_turn_env"),
+]
+
+
+@pytest.mark.parametrize(("old", "new"), ENVS_SPLIT)
+def test_old_envs_modules_are_the_moved_modules_and_warn(old: str, new: str) -> None:
+    old, new = f"post_training_cookbook.{old}", f"post_training_cookbook.{new}"
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
+    assert module.__name__ == module.__spec__.name == new  # not relabelled by the old path
+
+
+def test_from_the_old_package_imports_the_moved_class_itself() -> None:
+    from post_training_cookbook.bundled_envs.calculator import MathEnv
+
+    sys.modules.pop("post_training_cookbook.envs.calculator", None)
+    with pytest.warns(DeprecationWarning, match="envs.calculator moved"):
+        from post_training_cookbook.envs.calculator import MathEnv as old_math_env
+    assert old_math_env is MathEnv
+
+
+def test_every_old_path_names_the_one_removal_release() -> None:
+    sys.modules.pop("post_training_cookbook.service.losses", None)
+    sys.modules.pop("post_training_cookbook.envs.mcp_tools", None)
+    import post_training_cookbook.envs as envs
+    import post_training_cookbook.models as models
+
+    with pytest.warns(DeprecationWarning) as caught:
+        importlib.import_module("post_training_cookbook.service.losses")  # a shim file
+        importlib.import_module("post_training_cookbook.envs.mcp_tools")  # the moved-up table
+        envs.MCPToolbox  # noqa: B018  # a name, from the table
+        models.infer_codec_name  # noqa: B018  # a name, from its old module
+    messages = [str(warning.message) for warning in caught]
+    assert len(messages) == 4, messages
+    assert all(f"goes away in release {REMOVAL_RELEASE}" in m for m in messages), messages
+
+
+def test_the_public_paths_and_our_own_imports_raise_no_deprecation_warning() -> None:
+    """SPEC's paths (``envs``, ``envs.tool_use_game``) are not moved, and nothing of ours
+    imports an old path: a fresh interpreter that makes the warning an error imports them."""
+    modules = [
+        "envs.tool_use_game",
+        "grpo.train",
+        "evaluation",
+        "cli",
+        "tool_backends.sandbox",
+        "bundled_envs.calculator",
+        "bundled_envs.bfcl",
+    ]
+    code = "\n".join(
+        [f"import post_training_cookbook.{module}" for module in modules]
+        + [
+            "from post_training_cookbook.envs import Env, Task, Tool, ToolResult, StepResult",
+            "from post_training_cookbook.envs import tool_to_spec",
+            "from post_training_cookbook.envs.tool_use_game import ToolUseGameEnv",
+            "from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS",
+        ]
+    )
+    source = str(Path(post_training_cookbook.__file__).parents[1])  # this checkout's package
+    path = os.pathsep.join([source, *filter(None, [os.environ.get("PYTHONPATH")])])
+    done = subprocess.run(
+        [sys.executable, "-W", "error::DeprecationWarning", "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr

@@ -42,10 +42,10 @@ import torch
 from test_codecs_common import template_ids
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from post_training_cookbook.bundled_envs.calculator import MathEnv
 from post_training_cookbook.codecs import Codec
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.envs.calculator import MathEnv
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import ModelInfo, resolve_model

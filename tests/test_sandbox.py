@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from post_training_cookbook.envs import Task, ToolEnv, exact_answer
-from post_training_cookbook.envs.sandbox import (
+from post_training_cookbook.tool_backends.sandbox import (
     SandboxConfig,
     SandboxPool,
     SandboxRunError,
@@ -26,7 +26,7 @@ from post_training_cookbook.envs.sandbox import (
     SandboxUnavailableError,
     code_tools,
 )
-from post_training_cookbook.envs.sandbox.seccomp import socket_filter
+from post_training_cookbook.tool_backends.sandbox.seccomp import socket_filter
 from post_training_cookbook.types import Message
 
 PROJECT = Path(__file__).resolve().parents[1]

@@ -13,14 +13,14 @@ from test_grpo_common import IM_END, quick_config, step_metrics, train_dump
 
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
 from post_training_cookbook.envs import Task, ToolEnv, exact_answer
-from post_training_cookbook.envs.sandbox import (
+from post_training_cookbook.grpo.train import train_multi_turn
+from post_training_cookbook.service import LocalModelService
+from post_training_cookbook.tool_backends.sandbox import (
     SandboxConfig,
     SandboxPool,
     SandboxUnavailableError,
     code_tools,
 )
-from post_training_cookbook.grpo.train import train_multi_turn
-from post_training_cookbook.service import LocalModelService
 
 PROGRAMS = {"good": "print(6 * 7)", "loop": "while True:\n    pass"}
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_sandbox import LIMITS, SHORT, needs_bwrap, processes_with, python, python_error
 
-from post_training_cookbook.envs.sandbox import (
+from post_training_cookbook.tool_backends.sandbox import (
     SandboxConfig,
     SandboxPool,
     SandboxUnavailableError,

@@ -16,8 +16,8 @@ from envs_before_tool_env import GameEnvBefore, MathEnvBefore
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from post_training_cookbook.bundled_envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs import Env, StepResult, Task, ToolEnv, ToolResult
-from post_training_cookbook.envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
 from post_training_cookbook.envs.tool_use_game.teacher import (
     BUNDLED_MODEL_TEACHER,

@@ -24,7 +24,7 @@ checkpoints):
 Entries: ``multi_turn_base`` entries whose opening prompt (system, tools and first user
 turn, in Qwen's template) is at most ``MAX_PROMPT_TOKENS`` tokens: the single-backend
 scenarios (file system, trading, travel, vehicle). Train and held-out entries both come
-from that subset, on the fixed split (``envs/bfcl/multi_turn_data.py``).
+from that subset, on the fixed split (``bundled_envs/bfcl/multi_turn_data.py``).
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from qwen_coder import (
 )
 from stages import stages_main
 
-from post_training_cookbook.envs.bfcl.multi_turn_data import (
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
     MultiTurnEntry,
     load_multi_turn_entries,
 )
-from post_training_cookbook.envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
 
 MAX_PROMPT_TOKENS = 5200
 CATEGORIES = ("multi_turn_base",)
@@ -86,7 +86,7 @@ def entries(split: str) -> list[MultiTurnEntry]:
 
 
 def demos(out: Path) -> dict:
-    from post_training_cookbook.envs.bfcl.ground_truth import GroundTruthPlayer
+    from post_training_cookbook.bundled_envs.bfcl.ground_truth import GroundTruthPlayer
     from post_training_cookbook.sft.demonstrations import collect_demonstrations
 
     train = entries("train")

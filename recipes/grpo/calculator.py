@@ -3,12 +3,12 @@
     WANDB_MODE=offline python recipes/grpo/calculator.py
 
 ``MathEnv`` is the environment of the docs' "Write an environment" section, shipped as
-``post_training_cookbook.envs.calculator``; its tasks are arithmetic questions with integer
+``post_training_cookbook.bundled_envs.calculator``; its tasks are arithmetic questions with integer
 answers. The bundled model was fine-tuned on the tool-use game, not on this env, so this
 recipe shows the plumbing on a second environment rather than a learning curve.
 """
 
-from post_training_cookbook.envs.calculator import (
+from post_training_cookbook.bundled_envs.calculator import (
     CALCULATOR_TRAIN_TASKS,
     CALCULATOR_VAL_TASKS,
     MathEnv,

@@ -12,12 +12,12 @@ A flaky env would not stop the run: ``env_errors="retry"`` replays an episode wh
 failed, with a fresh env, up to twice.
 """
 
-from post_training_cookbook.envs import EnvMixture, MixtureEntry
-from post_training_cookbook.envs.calculator import (
+from post_training_cookbook.bundled_envs.calculator import (
     CALCULATOR_TRAIN_TASKS,
     CALCULATOR_VAL_TASKS,
     MathEnv,
 )
+from post_training_cookbook.envs import EnvMixture, MixtureEntry
 from post_training_cookbook.envs.tool_use_game import (
     TOOL_USE_GAME_TRAIN_TASKS,
     TOOL_USE_GAME_VAL_TASKS,

@@ -2,12 +2,14 @@
 
 On top of the contract, the pieces an env is written with: ``function_tool`` (a typed,
 documented function as a tool), ``ToolEnv`` (the tool-use episode loop, with its parts to
-override), reward functions and ``Rubric`` (``rewards``), judge-model rewards (``judge``) and
-weighted mixtures of envs (``mixture``), tools from MCP servers (``mcp_tools``) and the code
-sandbox (``sandbox``).
+override), reward functions and ``Rubric`` (``rewards``), judge-model rewards (``judge``),
+weighted mixtures of envs (``mixture``), the safe ``calculator`` tool (``arithmetic``) and
+``check_env``; and the reference env, ``tool_use_game``, to copy from. Tools from MCP servers
+and the code sandbox are in ``post_training_cookbook.tool_backends``, the other bundled envs
+(calculator, BFCL) in ``post_training_cookbook.bundled_envs``.
 """
 
-from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.deprecation import moved_attribute
 from post_training_cookbook.envs.arithmetic import safe_eval
 from post_training_cookbook.envs.base import (
     Env,
@@ -20,8 +22,6 @@ from post_training_cookbook.envs.base import (
 )
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
 from post_training_cookbook.envs.judge import JudgeError, JudgeReward, OpenAIJudge
-from post_training_cookbook.envs.mcp_connection import MCPHttpServer, MCPStdioServer
-from post_training_cookbook.envs.mcp_tools import MCPTool, MCPToolbox, MCPToolCallError
 from post_training_cookbook.envs.mixture import EnvMixture, MixtureEntry
 from post_training_cookbook.envs.rewards import (
     RewardFn,
@@ -41,11 +41,6 @@ __all__ = [
     "FunctionTool",
     "JudgeError",
     "JudgeReward",
-    "MCPHttpServer",
-    "MCPStdioServer",
-    "MCPTool",
-    "MCPToolCallError",
-    "MCPToolbox",
     "MixtureEntry",
     "OpenAIJudge",
     "RewardFn",
@@ -67,6 +62,4 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    if name == "LocalJudge":  # it loads a model, so it lives above the envs
-        return moved_name(__name__, name, "post_training_cookbook.evaluation.local_judge")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved_attribute(__name__, name)  # the MCP tools, LocalJudge: see moved_paths.py

@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.deprecation import moved_attribute
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.openai_api import (
     ResponseTooLarge,
@@ -328,6 +328,4 @@ class OpenAIJudge:
 
 
 def __getattr__(name: str) -> object:
-    if name == "LocalJudge":  # it loads a model, so it lives above the envs
-        return moved_name(__name__, name, "post_training_cookbook.evaluation.local_judge")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved_attribute(__name__, name)  # LocalJudge: see moved_paths.py

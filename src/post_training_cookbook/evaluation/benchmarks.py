@@ -33,7 +33,7 @@ from post_training_cookbook.envs.base import Env, Task
 from post_training_cookbook.rollout import Episode, Group, TruncationCause
 
 if TYPE_CHECKING:
-    from post_training_cookbook.envs.bfcl.data import BFCLItem
+    from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem
 
 BENCHMARKS = ("bfcl", "bfcl_multi_turn")
 MULTI_TURN = "bfcl_multi_turn"
@@ -58,7 +58,7 @@ class BenchmarkSpec:
             )
         categories = [c.strip() for c in listed.split(",") if c.strip()] if listed else []
         if name == MULTI_TURN:
-            from post_training_cookbook.envs.bfcl.multi_turn_data import (
+            from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
                 check_multi_turn_categories,
             )
 
@@ -72,7 +72,7 @@ class BenchmarkSpec:
             )
         if split:
             raise ValueError(f"{spec!r}: only bfcl_multi_turn has a split (@train, @held_out)")
-        from post_training_cookbook.envs.bfcl.data import TEST_CATEGORIES, check_categories
+        from post_training_cookbook.bundled_envs.bfcl.data import TEST_CATEGORIES, check_categories
 
         return cls(name, check_categories(categories) if listed else TEST_CATEGORIES)
 
@@ -121,13 +121,13 @@ def benchmark_inputs(
 ) -> tuple[list[Task], Callable[[Task], Env]]:
     """The tasks and the env factory that play ``spec``; ``limit``: first N per category."""
     if spec.name == MULTI_TURN:
-        from post_training_cookbook.envs.bfcl.multi_turn_data import bfcl_multi_turn_tasks
-        from post_training_cookbook.envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+        from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import bfcl_multi_turn_tasks
+        from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
 
         split: Any = spec.split
         tasks = bfcl_multi_turn_tasks(spec.categories, split, limit)
         return tasks, lambda task: BFCLMultiTurnEnv()
-    from post_training_cookbook.envs.bfcl import BFCLEnv, bfcl_tasks
+    from post_training_cookbook.bundled_envs.bfcl import BFCLEnv, bfcl_tasks
 
     return bfcl_tasks(spec.categories, limit), lambda task: BFCLEnv()
 
@@ -138,7 +138,7 @@ def score_benchmark(
     """BFCL's per-category accuracy and overall of the played groups."""
     if spec.name == MULTI_TURN:
         return _score_multi_turn(spec, groups, limit)
-    from post_training_cookbook.envs.bfcl.data import BFCLItem
+    from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem
 
     correct = dict.fromkeys(spec.categories, 0)
     total = dict.fromkeys(spec.categories, 0)
@@ -155,7 +155,7 @@ def _score(
     spec: BenchmarkSpec, per_category: dict[str, CategoryScore], limit: int | None, **turns: Any
 ) -> BenchmarkScore:
     """The report of ``per_category``'s scores (``turns``: the multi-turn fields)."""
-    from post_training_cookbook.envs.bfcl.package import bfcl
+    from post_training_cookbook.bundled_envs.bfcl.package import bfcl
 
     accuracy = {c: score.accuracy for c, score in per_category.items()}
     return BenchmarkScore(
@@ -174,7 +174,7 @@ def _score_multi_turn(
     spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None
 ) -> BenchmarkScore:
     """Entry and per-turn accuracy per category (the module's docstring)."""
-    from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry
+    from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry
 
     entries: dict[str, list[tuple[bool, int, int]]] = {c: [] for c in spec.categories}
     for group in groups:
@@ -224,7 +224,7 @@ def clustered_se(clusters: Sequence[tuple[int, int]]) -> float:
 
 def _accepted(item: BFCLItem, episode: Episode) -> bool:
     """Whether BFCL's checker accepts the episode's reply (see the module's docstring)."""
-    from post_training_cookbook.envs.bfcl.checker import check_reply
+    from post_training_cookbook.bundled_envs.bfcl.checker import check_reply
 
     if episode.truncation is TruncationCause.PARSE_FAILURE:
         return check_reply(item, []).valid

@@ -21,9 +21,9 @@ import inspect
 import json
 from collections.abc import Sequence
 
-from post_training_cookbook.envs.bfcl.backends import DecodedCall
-from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry
-from post_training_cookbook.envs.bfcl.package import bfcl_multi_turn
+from post_training_cookbook.bundled_envs.bfcl.backends import DecodedCall
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry
+from post_training_cookbook.bundled_envs.bfcl.package import bfcl_multi_turn
 from post_training_cookbook.types import Message, ToolCall
 
 TURN_DONE = "Done."

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from post_training_cookbook.envs.bfcl.data import NO_ANSWER_CATEGORIES, BFCLItem
-from post_training_cookbook.envs.bfcl.package import CHECKER_MODEL_NAME, bfcl
+from post_training_cookbook.bundled_envs.bfcl.data import NO_ANSWER_CATEGORIES, BFCLItem
+from post_training_cookbook.bundled_envs.bfcl.package import CHECKER_MODEL_NAME, bfcl
 from post_training_cookbook.types import FunctionCall, Message
 
 

@@ -102,7 +102,7 @@ class SandboxConfig:
     @property
     def launcher_python(self) -> str:
         """The interpreter that sets the limits before the program starts."""
-        from post_training_cookbook.envs.sandbox.runner import python_for_sandbox
+        from post_training_cookbook.tool_backends.sandbox.runner import python_for_sandbox
 
         return self.python or python_for_sandbox()
 

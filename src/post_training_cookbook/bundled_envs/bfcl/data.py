@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from post_training_cookbook.bundled_envs.bfcl.package import bfcl
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.envs.bfcl.package import bfcl
 from post_training_cookbook.types import Message, ToolSpec
 
 TEST_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")

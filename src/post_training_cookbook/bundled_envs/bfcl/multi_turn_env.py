@@ -30,8 +30,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from post_training_cookbook.envs.base import Env, StepResult, Task
-from post_training_cookbook.envs.bfcl.backends import (
+from post_training_cookbook.bundled_envs.bfcl.backends import (
     Backends,
     DecodedCall,
     TurnVerdict,
@@ -40,7 +39,8 @@ from post_training_cookbook.envs.bfcl.backends import (
     checked_source,
     decode_calls,
 )
-from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry, to_tool_specs
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry, to_tool_specs
+from post_training_cookbook.envs.base import Env, StepResult, Task
 from post_training_cookbook.types import Message, ToolSpec
 
 MultiTurnReward = Literal["entry", "turns"]

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from post_training_cookbook.bundled_envs.bfcl.package import bfcl, bfcl_multi_turn
 from post_training_cookbook.envs.base import Task
-from post_training_cookbook.envs.bfcl.package import bfcl, bfcl_multi_turn
 from post_training_cookbook.types import Message, ToolSpec
 
 MULTI_TURN_CATEGORIES = (

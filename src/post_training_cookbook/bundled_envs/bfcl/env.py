@@ -9,9 +9,9 @@ categories), score on ``bfcl_tasks()`` (the test categories): no question is in 
 
 from __future__ import annotations
 
+from post_training_cookbook.bundled_envs.bfcl.checker import BFCLVerdict, check_reply, reply_calls
+from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem
 from post_training_cookbook.envs.base import Env, StepResult, Task
-from post_training_cookbook.envs.bfcl.checker import BFCLVerdict, check_reply, reply_calls
-from post_training_cookbook.envs.bfcl.data import BFCLItem
 from post_training_cookbook.types import Message, ToolSpec
 
 

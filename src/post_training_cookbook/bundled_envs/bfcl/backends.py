@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from post_training_cookbook.envs.bfcl.multi_turn_data import MultiTurnEntry
-from post_training_cookbook.envs.bfcl.package import bfcl_multi_turn
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry
+from post_training_cookbook.bundled_envs.bfcl.package import bfcl_multi_turn
 from post_training_cookbook.types import Message
 
 NOT_RUN_STAND_IN = "undefined_function()"

@@ -8,8 +8,12 @@
                      env_factory=lambda task: MathEnv(), val_tasks=list(CALCULATOR_VAL_TASKS))
 """
 
-from post_training_cookbook.envs.calculator.env import SYSTEM_PROMPT, TOOL_ERROR_PREFIX, MathEnv
-from post_training_cookbook.envs.calculator.tasks import (
+from post_training_cookbook.bundled_envs.calculator.env import (
+    SYSTEM_PROMPT,
+    TOOL_ERROR_PREFIX,
+    MathEnv,
+)
+from post_training_cookbook.bundled_envs.calculator.tasks import (
     CALCULATOR_TASKS,
     CALCULATOR_TRAIN_TASKS,
     CALCULATOR_VAL_TASKS,

@@ -38,13 +38,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from post_training_cookbook.envs.process_marks import Killed, kill_marked, new_mark
-from post_training_cookbook.envs.sandbox.config import (
+from post_training_cookbook.tool_backends.process_marks import Killed, kill_marked, new_mark
+from post_training_cookbook.tool_backends.sandbox.config import (
     SANDBOX_HOME,
     SandboxConfig,
     SandboxUnavailableError,
 )
-from post_training_cookbook.envs.sandbox.seccomp import filter_fd
+from post_training_cookbook.tool_backends.sandbox.seccomp import filter_fd
 
 log = logging.getLogger(__name__)
 NOBODY = 65534

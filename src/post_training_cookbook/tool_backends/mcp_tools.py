@@ -33,13 +33,13 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from post_training_cookbook.envs.base import ToolResult
-from post_training_cookbook.envs.mcp_connection import (
+from post_training_cookbook.envs.tools import MAX_ARGUMENTS_LENGTH, TOOL_NAME
+from post_training_cookbook.tool_backends.mcp_connection import (
     MCPConnection,
     MCPHttpServer,
     MCPServerSpec,
     MCPStdioServer,
 )
-from post_training_cookbook.envs.tools import MAX_ARGUMENTS_LENGTH, TOOL_NAME
 
 Lifetime = Literal["run", "episode"]
 

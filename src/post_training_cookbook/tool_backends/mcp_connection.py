@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from post_training_cookbook.envs.base import ToolBackendError
-from post_training_cookbook.envs.process_marks import kill_marked, new_mark
+from post_training_cookbook.tool_backends.process_marks import kill_marked, new_mark
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -19,12 +19,12 @@ import weakref
 from pathlib import Path
 
 from post_training_cookbook.envs.base import ToolBackendError
-from post_training_cookbook.envs.sandbox.config import (
+from post_training_cookbook.tool_backends.sandbox.config import (
     UNSAFE_SUBPROCESS_RISK,
     SandboxConfig,
     SandboxUnavailableError,
 )
-from post_training_cookbook.envs.sandbox.runner import (
+from post_training_cookbook.tool_backends.sandbox.runner import (
     RunOutcome,
     drops_to_nobody,
     find_bwrap,

@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from post_training_cookbook.envs.base import ToolResult
-from post_training_cookbook.envs.sandbox.pool import SandboxPool, SandboxRunError, SandboxSession
+from post_training_cookbook.tool_backends.sandbox.pool import (
+    SandboxPool,
+    SandboxRunError,
+    SandboxSession,
+)
 
 LANGUAGES = ("python", "bash")
 

@@ -1,11 +1,11 @@
 """The Berkeley Function Calling Leaderboard (BFCL v4) on ``bfcl-eval``'s data and checker.
 
-    from post_training_cookbook.envs.bfcl import BFCLEnv, bfcl_tasks, bfcl_train_tasks
+    from post_training_cookbook.bundled_envs.bfcl import BFCLEnv, bfcl_tasks, bfcl_train_tasks
 
     test = bfcl_tasks()          # simple_python, multiple, parallel, parallel_multiple, irrelevance
     train = bfcl_train_tasks()   # the live_* categories, less any question the test set has
 
-    from post_training_cookbook.envs.bfcl import BFCLMultiTurnEnv, bfcl_multi_turn_tasks
+    from post_training_cookbook.bundled_envs.bfcl import BFCLMultiTurnEnv, bfcl_multi_turn_tasks
 
     train = bfcl_multi_turn_tasks(["multi_turn_base"], split="train")     # 148 entries
     held_out = bfcl_multi_turn_tasks(["multi_turn_base"], split="held_out")  # 52 entries
@@ -18,8 +18,8 @@ installed without its dependencies (``requirements/bfcl.txt``); importing this p
 does not import ``bfcl-eval``, the first item loaded or checked does.
 """
 
-from post_training_cookbook.envs.bfcl.checker import BFCLVerdict, check_reply, reply_calls
-from post_training_cookbook.envs.bfcl.data import (
+from post_training_cookbook.bundled_envs.bfcl.checker import BFCLVerdict, check_reply, reply_calls
+from post_training_cookbook.bundled_envs.bfcl.data import (
     CATEGORIES,
     NO_ANSWER_CATEGORIES,
     TEST_CATEGORIES,
@@ -30,17 +30,17 @@ from post_training_cookbook.envs.bfcl.data import (
     load_items,
     question_texts,
 )
-from post_training_cookbook.envs.bfcl.env import BFCLEnv
-from post_training_cookbook.envs.bfcl.ground_truth import GroundTruthPlayer
-from post_training_cookbook.envs.bfcl.multi_turn_data import (
+from post_training_cookbook.bundled_envs.bfcl.env import BFCLEnv
+from post_training_cookbook.bundled_envs.bfcl.ground_truth import GroundTruthPlayer
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
     MULTI_TURN_CATEGORIES,
     MultiTurnEntry,
     bfcl_multi_turn_tasks,
     load_multi_turn_entries,
     scenario_split,
 )
-from post_training_cookbook.envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
-from post_training_cookbook.envs.bfcl.package import (
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+from post_training_cookbook.bundled_envs.bfcl.package import (
     BFCL_EVAL_VERSION,
     CHECKER_MODEL_NAME,
     BFCLNotInstalledError,
