@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from post_training_cookbook.distill.config import is_endpoint
 from post_training_cookbook.trainer.types import TrainingSample
 
 if TYPE_CHECKING:
@@ -51,10 +52,6 @@ class Teacher(Protocol):
         ...
 
     async def close(self) -> None: ...
-
-
-def is_endpoint(source: str) -> bool:
-    return source.startswith(("http://", "https://"))
 
 
 def teacher_model_info(source: str, config_type: Any = None) -> ModelInfo:
@@ -97,7 +94,7 @@ class ScoringSettings:
 
 @dataclass(frozen=True)
 class TeacherSpec:
-    """Which teacher a run opens, and how it calls it (``GRPOConfig``'s teacher fields)."""
+    """Which teacher a run opens, and how it calls it (from the run's ``TeacherConfig``)."""
 
     source: str
     """A catalog id, a folder, a run or a checkpoint; or an endpoint's ``http(s)://`` URL."""
