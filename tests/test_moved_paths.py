@@ -116,3 +116,26 @@ def test_generic_config_rules_of_grpo_validation_warn_and_give_the_runs_ones(nam
     with pytest.warns(DeprecationWarning, match=f"grpo.validation.{name} moved"):
         moved = getattr(validation, name)
     assert moved is getattr(config, name)
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("TeacherErrors", "PlayerMistakes"),
+        ("BUNDLED_MODEL_TEACHER", "BUNDLED_MODEL_PLAYER"),
+        ("ORACLE", "ORACLE"),
+        ("play_episode", "play_episode"),
+    ],
+)
+def test_the_game_s_scripted_player_answers_to_its_old_teacher_names_with_a_warning(
+    old: str, new: str
+) -> None:
+    from post_training_cookbook.deprecation import REMOVAL_RELEASE
+    from post_training_cookbook.envs.tool_use_game import scripted_player, teacher
+
+    with pytest.warns(DeprecationWarning) as caught:
+        value = getattr(teacher, old)
+    assert value is getattr(scripted_player, new)
+    message = str(caught[0].message)
+    assert f"teacher.{old} moved to" in message and f"scripted_player.{new};" in message
+    assert REMOVAL_RELEASE in message

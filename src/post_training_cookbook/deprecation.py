@@ -26,12 +26,15 @@ def moved_module(old: str, new: str) -> ModuleType:
     return module
 
 
-def moved_name(old_module: str, name: str, new_module: str) -> object:
-    """``old_module.name``, now ``new_module.name``, with a warning."""
+def moved_name(
+    old_module: str, name: str, new_module: str, *, new_name: str | None = None
+) -> object:
+    """``old_module.name``, now ``new_module.name`` (or ``new_name``), with a warning."""
+    new_name = new_name or name
     warnings.warn(
-        f"{old_module}.{name} moved to {new_module}.{name}; "
+        f"{old_module}.{name} moved to {new_module}.{new_name}; "
         f"the old path goes away in {REMOVAL_RELEASE}",
         DeprecationWarning,
         stacklevel=3,
     )
-    return getattr(importlib.import_module(new_module), name)
+    return getattr(importlib.import_module(new_module), new_name)
