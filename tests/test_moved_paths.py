@@ -139,3 +139,12 @@ def test_the_game_s_scripted_player_answers_to_its_old_teacher_names_with_a_warn
     message = str(caught[0].message)
     assert f"teacher.{old} moved to" in message and f"scripted_player.{new};" in message
     assert REMOVAL_RELEASE in message
+
+
+def test_the_old_scripted_player_path_has_no_names_the_new_one_lacks() -> None:
+    from post_training_cookbook.envs.tool_use_game import teacher
+
+    with pytest.raises(AttributeError):
+        teacher.NoSuchThing  # noqa: B018
+    with pytest.raises(AttributeError):
+        teacher.__path__  # noqa: B018  # a module, not a package: the import system asks
