@@ -2,8 +2,8 @@
 
     python scripts/build_bundled_model.py            # ~80 min on one core
 
-1. Play the tool-use game's TRAIN split with the oracle and the imperfect teacher
-   (``envs/tool_use_game/teacher.py``) to get conversations. Each episode is played in a
+1. Play the tool-use game's TRAIN split with the oracle and the imperfect player
+   (``envs/tool_use_game/scripted_player.py``) to get conversations. Each episode is played in a
    copy of the world with freshly drawn values, so the model cannot memorise the facts of
    the train entities: it has to learn to copy values from tool results.
 2. Train a byte-level BPE tokenizer on those conversations, rendered by the Hermes chat
@@ -36,10 +36,10 @@ from post_training_cookbook.envs.tool_use_game import (
     ToolUseGameEnv,
     default_world,
 )
-from post_training_cookbook.envs.tool_use_game.teacher import (
-    BUNDLED_MODEL_TEACHER,
+from post_training_cookbook.envs.tool_use_game.scripted_player import (
+    BUNDLED_MODEL_PLAYER,
     ORACLE,
-    TeacherErrors,
+    PlayerMistakes,
     play_episode,
 )
 from post_training_cookbook.envs.tool_use_game.world import SYLLABLES
@@ -51,8 +51,8 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", 
 Conversation = tuple[list[Message], list[ToolSpec]]
 
 
-def teacher_conversations(
-    num_episodes: int, seed: int, errors: TeacherErrors = BUNDLED_MODEL_TEACHER
+def player_conversations(
+    num_episodes: int, seed: int, errors: PlayerMistakes = BUNDLED_MODEL_PLAYER
 ) -> list[Conversation]:
     """Teacher episodes on the train split, cycling through its tasks in shuffled order."""
     rng = random.Random(seed)
@@ -152,19 +152,20 @@ def main(argv: list[str] | None = None) -> None:
         help="share of the steps trained on the oracle's episodes first",
     )
     parser.add_argument(
-        "--teacher-learning-rate",
+        "--player-learning-rate",
+        "--teacher-learning-rate",  # its old name, kept for one release
         type=float,
         default=None,
-        help="peak lr of the teacher phase (default: --learning-rate); a lower one keeps the "
-        "copying learned on the oracle's episodes while taking on the teacher's habits",
+        help="peak lr of the player phase (default: --learning-rate); a lower one keeps the "
+        "copying learned on the oracle's episodes while taking on the player's habits",
     )
     parser.add_argument(
         "--from-oracle-checkpoint",
         type=Path,
         default=None,
-        help="skip the oracle phase: start the teacher phase from the checkpoint an earlier "
+        help="skip the oracle phase: start the player phase from the checkpoint an earlier "
         "build with the same arguments saved at the phase's end (checkpoints/step_N); each "
-        "phase seeds its own data order and optimizer, so the teacher phase runs as it would "
+        "phase seeds its own data order and optimizer, so the player phase runs as it would "
         "in a build from scratch",
     )
     args = parser.parse_args(argv)
@@ -172,10 +173,10 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
 
     # Curriculum: the oracle's clean episodes first (every number the model writes is one
-    # it can copy from its context), then the imperfect teacher whose mistakes RL will fix.
-    oracle = teacher_conversations(args.episodes // 3, args.seed + 1, ORACLE)
-    conversations = teacher_conversations(args.episodes, args.seed)
-    print(f"[build] {len(oracle)} oracle + {len(conversations)} teacher episodes")
+    # it can copy from its context), then the imperfect player whose mistakes RL will fix.
+    oracle = player_conversations(args.episodes // 3, args.seed + 1, ORACLE)
+    conversations = player_conversations(args.episodes, args.seed)
+    print(f"[build] {len(oracle)} oracle + {len(conversations)} player episodes")
     texts = [
         render_jinja_template(
             [[dict(m) for m in messages]],
@@ -200,10 +201,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"[build] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     args.out.mkdir(parents=True, exist_ok=True)
     oracle_steps = round(args.steps * args.oracle_fraction)
-    teacher_learning_rate = args.teacher_learning_rate or args.learning_rate
+    player_learning_rate = args.player_learning_rate or args.learning_rate
     phases = [
         ("oracle", oracle_examples, oracle_steps, args.learning_rate),
-        ("teacher", examples, args.steps - oracle_steps, teacher_learning_rate),
+        ("player", examples, args.steps - oracle_steps, player_learning_rate),
     ]
     done = 0
     if args.from_oracle_checkpoint is not None:

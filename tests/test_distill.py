@@ -24,7 +24,7 @@ from post_training_cookbook.distill import (
     distill_batch,
 )
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
-from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.config import GRPOConfig, TeacherConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 from post_training_cookbook.serve import start_server
@@ -44,14 +44,13 @@ class TrainerForward:
         return self.trainer.forward(samples)
 
 
-def distill_config(tmp_path: Path, **overrides: Any) -> GRPOConfig:
-    settings: dict[str, Any] = dict(
+def distill_config(tmp_path: Path, teacher: str, **teacher_settings: Any) -> GRPOConfig:
+    return GRPOConfig(
         batch_size=2, episodes_per_task=2, num_steps=1, max_turns=2, max_model_length=768,
         max_tokens_per_turn=40, learning_rate=1e-2, wandb_project=None, validation_interval=0,
         checkpoint_interval=0, runs_dir=str(tmp_path), run_name="distill", seed=3,
-        distill_env_advantage=False,
+        teacher=TeacherConfig(source=teacher, env_advantage=False, **teacher_settings),
     )  # fmt: skip
-    return GRPOConfig(**(settings | overrides))
 
 
 def test_a_teacher_equal_to_the_student_gives_zero_advantage_and_an_unchanged_model(
@@ -128,7 +127,7 @@ def test_an_endpoint_teacher_through_our_serve_scores_as_the_local_teacher(
             for mask, a, b in zip(sample.mask, remote_row, local_row, strict=True):
                 assert (a == 0.0) if not mask else a == pytest.approx(b, abs=1e-4)
         # a run distilling from it: the same weights, so (next to) nothing to learn
-        config = distill_config(tmp_path, teacher=server.base_url, teacher_sequences_per_call=2)
+        config = distill_config(tmp_path, teacher=server.base_url, sequences_per_call=2)
         run = train_multi_turn(config, tasks=TASKS, env_factory=lambda task: ToolUseGameEnv())
         metrics = step_metrics(run.path)[0]
         assert abs(metrics["distill/reverse_kl"]) < 1e-4

@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
 from post_training_cookbook.envs import Env, StepResult, Task
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_VAL_TASKS, ToolUseGameEnv
-from post_training_cookbook.envs.tool_use_game.teacher import ORACLE, play_episode
+from post_training_cookbook.envs.tool_use_game.scripted_player import ORACLE, play_episode
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.types import Message, ToolSpec

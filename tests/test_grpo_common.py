@@ -35,7 +35,7 @@ from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
 from post_training_cookbook.envs import Env, StepResult, Task
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
-from post_training_cookbook.envs.tool_use_game.teacher import ORACLE, play_episode
+from post_training_cookbook.envs.tool_use_game.scripted_player import ORACLE, play_episode
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.service import LocalModelService
 from post_training_cookbook.trainer.types import TrainingSample

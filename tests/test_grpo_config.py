@@ -10,13 +10,17 @@ import math
 import re
 import subprocess
 import sys
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from post_training_cookbook.grpo.config import GRPOConfig, WeightSyncType
+from post_training_cookbook.deprecation import REMOVAL_RELEASE
+from post_training_cookbook.distill.config import FLAT_TEACHER_NAMES
+from post_training_cookbook.grpo.config import GRPOConfig, TeacherConfig, WeightSyncType
+from post_training_cookbook.grpo.runs import RunDirectory
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "grpo_config.md"
@@ -137,11 +141,15 @@ INVALID: list[tuple[dict[str, Any], list[str]]] = [
     ({"turn_rewards": "every_step"}, ["turn_rewards", "'per_step'"]),
     ({"turn_rewards": "per_step", "turn_discount": 1.5}, ["turn_discount", "[0, 1]"]),
     ({"turn_discount": 0.9}, ["turn_discount=0.9", "turn_rewards='per_step'"]),
-    ({"distill_coef": 0.5}, ["distill_coef=0.5 applies to on-policy distillation"]),
-    ({"distill_env_advantage": False}, ["distill_env_advantage=False", "set teacher"]),
-    ({"teacher_model": "m"}, ["teacher_model names an endpoint teacher's model"]),
-    ({"teacher": "https//x/v1"}, ["looks like a URL"]),
-    ({"teacher": "t", "distill_coef": 0.0}, ["distill_coef must be > 0"]),
+    ({"teacher": {"source": "t", "model": "m"}}, ["teacher.model names an endpoint teacher's"]),
+    ({"teacher": "https//x/v1"}, ["teacher.source='https//x/v1' looks like a URL"]),
+    ({"teacher": {"source": "t", "coef": 0.0}}, ["teacher.coef must be > 0"]),
+    ({"teacher": {"source": "t", "retries": 21}}, ["teacher.retries must be <= 20"]),
+    ({"teacher": {"source": "t", "coef": "big"}}, ["teacher.coef must be float", "'big'"]),
+    ({"teacher": {"source": " "}}, ["teacher.source must not be empty"]),
+    ({"teacher": {"coef": 0.5}}, ["teacher.source is required"]),
+    ({"teacher": {"source": "t", "cof": 0.5}}, ["'teacher.cof'", "did you mean 'teacher.coef'"]),
+    ({"teacher": 5}, ["teacher must be a model, a run or an endpoint URL", "int 5"]),
     ({"clip_high": -0.1}, ["clip_high"]),
     ({"kl_beta": -1.0}, ["kl_beta"]),
     ({"tis_cap": 0.0}, ["tis_cap"]),
@@ -298,15 +306,17 @@ def non_default_config() -> GRPOConfig:
         advantage_normalization="mean",
         turn_rewards="per_step",
         turn_discount=0.9,
-        teacher="http://127.0.0.1:8000/v1",
-        teacher_model="teacher",
-        distill_coef=0.5,
-        distill_env_advantage=False,
-        teacher_timeout_s=10.0,
-        teacher_retries=1,
-        teacher_max_concurrency=4,
-        teacher_max_response_bytes=50_000_000,
-        teacher_sequences_per_call=2,
+        teacher=TeacherConfig(
+            source="http://127.0.0.1:8000/v1",
+            model="teacher",
+            coef=0.5,
+            env_advantage=False,
+            timeout_s=10.0,
+            retries=1,
+            max_concurrency=4,
+            max_response_bytes=50_000_000,
+            sequences_per_call=2,
+        ),
         clip_low=0.1,
         clip_high=0.28,
         kl_beta=0.01,
@@ -526,6 +536,107 @@ def test_importing_the_config_does_not_import_torch() -> None:
     assert modules_imported_by_the_config() == []
 
 
+# The teacher: one nested setting; the flat names it replaced, for one release
+
+
+def test_a_teacher_given_as_a_string_is_its_source_without_a_warning() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = GRPOConfig(teacher="some/model")
+    assert config.teacher == TeacherConfig(source="some/model")
+    assert GRPOConfig(teacher={"source": "some/model"}) == config  # YAML's mapping
+
+
+def flat_teacher_settings() -> dict[str, Any]:
+    """Every flat distillation name, each away from its default, and what it now is."""
+    nested = non_default_config().teacher
+    assert nested is not None
+    return {old: getattr(nested, new) for old, new in FLAT_TEACHER_NAMES.items()}
+
+
+@pytest.mark.parametrize("old", list(FLAT_TEACHER_NAMES))
+def test_each_flat_teacher_name_warns_with_its_new_spelling_and_sets_the_nested_field(
+    old: str,
+) -> None:
+    value = flat_teacher_settings()[old]
+    new = FLAT_TEACHER_NAMES[old]
+    with pytest.warns(DeprecationWarning) as caught:
+        config = GRPOConfig(teacher="http://127.0.0.1:8000/v1", **{old: value})
+    message = str(caught[0].message)
+    assert f"{old} → teacher.{new}" in message and REMOVAL_RELEASE in message
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert config.teacher == TeacherConfig(source="http://127.0.0.1:8000/v1", **{new: value})
+
+
+def test_a_flat_teacher_setting_without_a_teacher_is_refused_as_before() -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError) as caught:
+        GRPOConfig(distill_coef=0.5, teacher_max_response_bytes=5)
+    assert "distill_coef=0.5 applies to on-policy distillation: set teacher too" in str(
+        caught.value
+    )
+    assert "teacher.max_response_bytes bounds an endpoint teacher's answers" in str(caught.value)
+
+
+def old_flat_yaml(config: GRPOConfig, path: Path) -> Path:
+    """``config`` as an older release wrote its config.yaml: the teacher's settings flat."""
+    data = config.to_dict()
+    teacher = data.pop("teacher")
+    data["teacher"] = None if teacher is None else teacher["source"]
+    for old, new in FLAT_TEACHER_NAMES.items():
+        default = next(f.default for f in dataclasses.fields(TeacherConfig) if f.name == new)
+        data[old] = default if teacher is None else teacher[new]
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("with_teacher", [True, False])
+def test_an_old_config_yaml_with_flat_teacher_keys_loads_warning_and_resumes_unchanged(
+    tmp_path: Path, with_teacher: bool
+) -> None:
+    config = non_default_config() if with_teacher else GRPOConfig(run_name="old", resume=True)
+    config = dataclasses.replace(config, runs_dir=str(tmp_path))
+    directory = RunDirectory(config.run_dir())
+    old_flat_yaml(config, directory.config_path)
+    with pytest.warns(DeprecationWarning, match="distill_coef → teacher.coef"):
+        assert GRPOConfig.from_yaml(directory.config_path) == config
+    with pytest.warns(DeprecationWarning):
+        directory.check_resumable(config)
+        notes = directory.start(config, None)
+    assert not any("changed" in note for note in notes)  # nothing of the run changed
+    assert "distill_coef" not in directory.config_path.read_text()  # rewritten nested
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert GRPOConfig.from_yaml(directory.config_path) == config
+
+
+def test_a_recorded_run_s_config_yaml_of_the_flat_release_still_loads() -> None:
+    recorded = DOCS.parent / "runs" / "smollm2_instruct_to_agent" / "run5" / "grpo_config.yaml"
+    with pytest.warns(DeprecationWarning, match="teacher_model → teacher.model"):
+        config = GRPOConfig.from_yaml(recorded)
+    assert config.teacher is None
+
+
+def test_the_teacher_round_trips_through_yaml_as_a_nested_mapping(tmp_path: Path) -> None:
+    config = GRPOConfig(teacher=TeacherConfig(source="runs/teacher", coef=0.5))
+    path = config.to_yaml(tmp_path / "config.yaml")
+    assert "\nteacher:\n  source: runs/teacher\n  model: null\n  coef: 0.5\n" in path.read_text()
+    assert GRPOConfig.from_yaml(path) == config
+    path.write_text("teacher: runs/teacher\n")  # the shorthand, by hand
+    assert GRPOConfig.from_yaml(path).teacher == TeacherConfig(source="runs/teacher")
+
+
+def test_a_bad_nested_teacher_value_in_yaml_names_the_file_and_the_nested_path(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("teacher:\n  source: runs/teacher\n  coef: 0\n")
+    with pytest.raises(ValueError, match=r"config.yaml: .*teacher.coef must be > 0, got 0.0"):
+        GRPOConfig.from_yaml(path)
+
+
 # The docs table and the field docstrings stay in sync with the code
 
 
@@ -586,3 +697,15 @@ def test_the_module_docstring_counts_the_fields() -> None:
     import post_training_cookbook.grpo.config as module
 
     assert f"dataclass of {len(FIELD_NAMES)} fields" in (module.__doc__ or "")
+
+
+def test_the_docs_table_lists_every_teacher_field_with_its_default() -> None:
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and re.fullmatch(r"`teacher\.\w+`", cells[0]):
+            rows[cells[0].strip("`").removeprefix("teacher.")] = cells[2].strip("`")
+    assert list(rows) == [f.name for f in dataclasses.fields(TeacherConfig)]
+    for f in dataclasses.fields(TeacherConfig):
+        expected = "required" if f.default is dataclasses.MISSING else f.default
+        assert documented_value(rows[f.name]) == expected, f.name

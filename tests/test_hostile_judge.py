@@ -155,13 +155,14 @@ def test_an_endpoint_teacher_quotes_a_failed_answer_s_head_and_refuses_a_body_no
         endpoint.stop()
 
 
-def test_the_run_s_endpoint_teacher_takes_teacher_max_response_bytes() -> None:
+def test_the_run_s_endpoint_teacher_takes_its_max_response_bytes() -> None:
     from post_training_cookbook.distill.teacher import open_teacher
-    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.grpo.config import GRPOConfig, TeacherConfig
     from post_training_cookbook.grpo.settings import RunSettings
     from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 
-    config = GRPOConfig(teacher="http://127.0.0.1:9/v1", teacher_max_response_bytes=5_000)
+    endpoint = "http://127.0.0.1:9/v1"
+    config = GRPOConfig(teacher=TeacherConfig(source=endpoint, max_response_bytes=5_000))
     spec = RunSettings.from_config(config, resolve_model(BUNDLED_MODEL_ID)).teacher
     assert spec is not None and spec.max_response_bytes == 5_000
 
@@ -173,7 +174,7 @@ def test_the_run_s_endpoint_teacher_takes_teacher_max_response_bytes() -> None:
             await teacher.close()
 
     assert asyncio.run(opened()) == 5_000
-    with pytest.raises(ValueError, match="teacher_max_response_bytes must be >= 1"):
-        GRPOConfig(teacher="http://127.0.0.1:9/v1", teacher_max_response_bytes=0)
+    with pytest.raises(ValueError, match=r"teacher\.max_response_bytes must be >= 1"):
+        GRPOConfig(teacher=TeacherConfig(source=endpoint, max_response_bytes=0))
     with pytest.raises(ValueError, match="bounds an endpoint teacher's answers"):
-        GRPOConfig(teacher_max_response_bytes=5_000)
+        GRPOConfig(teacher=TeacherConfig(source="runs/local", max_response_bytes=5_000))

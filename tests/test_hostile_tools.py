@@ -18,7 +18,7 @@ from test_rollout import CODEC, PARAMS, ScriptedSampler, limits, sampled_tokens
 from post_training_cookbook.envs import Env, StepResult, Task, ToolEnv, ToolResult, function_tool
 from post_training_cookbook.envs import tools as tools_module
 from post_training_cookbook.envs.tool_calls import abandoned_threads
-from post_training_cookbook.envs.tool_use_game.teacher import tool_call
+from post_training_cookbook.envs.tool_use_game.scripted_player import tool_call
 from post_training_cookbook.rollout import EpisodeRunner, TruncationCause, run_episode
 from post_training_cookbook.rollout.guards import EnvFault, call_env
 from post_training_cookbook.types import Message

@@ -209,3 +209,35 @@ def test_the_public_paths_and_our_own_imports_raise_no_deprecation_warning() -> 
         text=True,
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("TeacherErrors", "PlayerMistakes"),
+        ("BUNDLED_MODEL_TEACHER", "BUNDLED_MODEL_PLAYER"),
+        ("ORACLE", "ORACLE"),
+        ("play_episode", "play_episode"),
+    ],
+)
+def test_the_game_s_scripted_player_answers_to_its_old_teacher_names_with_a_warning(
+    old: str, new: str
+) -> None:
+    from post_training_cookbook.deprecation import REMOVAL_RELEASE
+    from post_training_cookbook.envs.tool_use_game import scripted_player, teacher
+
+    with pytest.warns(DeprecationWarning) as caught:
+        value = getattr(teacher, old)
+    assert value is getattr(scripted_player, new)
+    message = str(caught[0].message)
+    assert f"teacher.{old} moved to" in message and f"scripted_player.{new};" in message
+    assert REMOVAL_RELEASE in message
+
+
+def test_the_old_scripted_player_path_has_no_names_the_new_one_lacks() -> None:
+    from post_training_cookbook.envs.tool_use_game import teacher
+
+    with pytest.raises(AttributeError):
+        teacher.NoSuchThing  # noqa: B018
+    with pytest.raises(AttributeError):
+        teacher.__path__  # noqa: B018  # a module, not a package: the import system asks

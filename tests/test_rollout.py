@@ -9,7 +9,7 @@ from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE, get_codec
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
 from post_training_cookbook.envs import StepResult, Task
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
-from post_training_cookbook.envs.tool_use_game.teacher import tool_call
+from post_training_cookbook.envs.tool_use_game.scripted_player import tool_call
 from post_training_cookbook.rollout import (
     EnvStepError,
     EpisodeLimits,

@@ -15,8 +15,8 @@ from post_training_cookbook.envs.tool_use_game import (
     TOOL_USE_GAME_VAL_TASKS,
     ToolUseGameEnv,
 )
+from post_training_cookbook.envs.tool_use_game.scripted_player import parse_question
 from post_training_cookbook.envs.tool_use_game.solver import GameSolver
-from post_training_cookbook.envs.tool_use_game.teacher import parse_question
 from post_training_cookbook.evaluation import HostedModel
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.rollout.chat import ChatTurn

@@ -1,7 +1,7 @@
 """The tool-use game and the calculator env rewritten on ``ToolEnv`` give what they gave
 before the rewrite (``envs_before_tool_env.py`` keeps those versions verbatim): the same
 messages, rewards, endings and metrics, step by step, on the same scripted episodes — the
-game's oracle and imperfect teacher on every task, and random scripts of good, bad and
+game's oracle and imperfect player on every task, and random scripts of good, bad and
 unknown tool calls and answers."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from post_training_cookbook.bundled_envs.calculator import CALCULATOR_TASKS, MathEnv
 from post_training_cookbook.envs import Env, StepResult, Task, ToolEnv, ToolResult
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolUseGameEnv
-from post_training_cookbook.envs.tool_use_game.teacher import (
-    BUNDLED_MODEL_TEACHER,
+from post_training_cookbook.envs.tool_use_game.scripted_player import (
+    BUNDLED_MODEL_PLAYER,
     ORACLE,
     parse_question,
     play,
@@ -45,8 +45,8 @@ async def step_both(before: Env, after: Env, message: Message) -> StepResult:
     return old
 
 
-async def play_teacher_on_both(task: Task, seed: int, errors: Any) -> StepResult:
-    """The teacher's episode on both envs at once: each message goes to both, and the script
+async def play_player_on_both(task: Task, seed: int, errors: Any) -> StepResult:
+    """The player's episode on both envs at once: each message goes to both, and the script
     reads the (equal) tool results."""
     before, after = GameEnvBefore(), ToolUseGameEnv()
     assert await after.reset(task) == await before.reset(task)
@@ -61,11 +61,11 @@ async def play_teacher_on_both(task: Task, seed: int, errors: Any) -> StepResult
         message = script.send(result.messages[seen:])
 
 
-@pytest.mark.parametrize("errors", [ORACLE, BUNDLED_MODEL_TEACHER], ids=["oracle", "teacher"])
+@pytest.mark.parametrize("errors", [ORACLE, BUNDLED_MODEL_PLAYER], ids=["oracle", "player"])
 def test_the_game_on_tool_env_plays_every_task_as_before(errors: Any) -> None:
     async def every_task() -> list[float]:
         return [
-            (await play_teacher_on_both(task, index, errors)).reward
+            (await play_player_on_both(task, index, errors)).reward
             for index, task in enumerate(TOOL_USE_GAME_TASKS)
         ]
 

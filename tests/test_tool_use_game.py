@@ -17,8 +17,8 @@ from post_training_cookbook.envs.tool_use_game import (
     build_world,
     default_world,
 )
-from post_training_cookbook.envs.tool_use_game.teacher import (
-    BUNDLED_MODEL_TEACHER,
+from post_training_cookbook.envs.tool_use_game.scripted_player import (
+    BUNDLED_MODEL_PLAYER,
     ORACLE,
     parse_question,
     play_episode,
@@ -83,12 +83,12 @@ def test_the_oracle_solves_every_task_through_the_tools_alone():
     run(solve_all())
 
 
-def test_the_imperfect_teacher_fails_some_episodes_of_every_level():
+def test_the_imperfect_player_fails_some_episodes_of_every_level():
     async def rates():
         rng = random.Random(1)
         rewards: dict[int, list[float]] = {1: [], 2: [], 3: []}
         for task in TOOL_USE_GAME_TRAIN_TASKS[:400]:
-            _, result = await play_episode(ToolUseGameEnv(), task, rng, BUNDLED_MODEL_TEACHER)
+            _, result = await play_episode(ToolUseGameEnv(), task, rng, BUNDLED_MODEL_PLAYER)
             rewards[task.metadata["level"]].append(result.reward)
         return {level: sum(r) / len(r) for level, r in rewards.items()}
 

@@ -8,10 +8,10 @@ The teacher is the GRPO recipe's run (a run directory: its final model; a checkp
 folder or a catalog id sharing the bundled tokenizer works too). The student starts from
 the bundled model, as that run did, and plays the same game; the teacher scores every
 token the student samples (tool results are context), and each token's advantage is the
-reverse KL −(log π_student − log π_teacher) alone (``distill_env_advantage=False``: the
+reverse KL −(log π_student − log π_teacher) alone (``env_advantage=False``: the
 env's reward is measured, not trained on). What differs from the GRPO recipe, and why:
 
-- teacher, distill_env_advantage=False: distillation alone, so every group trains (no
+- teacher, env_advantage=False: distillation alone, so every group trains (no
   reward variance needed, no dynamic sampling);
 - episodes_per_task 4 (GRPO: 8): no group baseline to estimate, so half the episodes a
   step; num_steps 20 (GRPO: 70): a dense signal learns in fewer steps. docs/losses.md
@@ -25,7 +25,7 @@ from post_training_cookbook.envs.tool_use_game import (
     TOOL_USE_GAME_VAL_TASKS,
     ToolUseGameEnv,
 )
-from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.config import GRPOConfig, TeacherConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import BUNDLED_MODEL_ID
 
@@ -37,8 +37,7 @@ if __name__ == "__main__":
         )
     config = GRPOConfig(
         model=BUNDLED_MODEL_ID,
-        teacher=sys.argv[1],
-        distill_env_advantage=False,
+        teacher=TeacherConfig(source=sys.argv[1], env_advantage=False),
         batch_size=16,
         episodes_per_task=4,
         num_steps=20,

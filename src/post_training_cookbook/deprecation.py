@@ -1,5 +1,5 @@
-"""Old import paths kept for one release: each warns and hands back the module or record
-that now lives elsewhere.
+"""Old import paths and config names kept for one release: each warns and hands back the
+module or record that now lives elsewhere.
 
 Two ways a path is kept. A module whose new home is below it in the layers names it: a shim
 file calls ``moved_module``, a module's ``__getattr__`` calls ``moved_name``. A path whose new
@@ -7,6 +7,7 @@ home is above its old one (``envs.sandbox``, now ``tool_backends.sandbox``) cann
 from there without an upward import, so the package's entry hands its table of such moves
 (``moved_paths.py``) to ``redirect``: old module paths, with every module under them, are then
 served by a finder, and a module's ``__getattr__`` asks ``moved_attribute`` for its old names.
+A config maps its own old field names, quoting ``REMOVAL_RELEASE``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from importlib.machinery import ModuleSpec
 from types import ModuleType
 
 REMOVAL_RELEASE = "0.2.0"
-"""The release that drops every old import path below; each warning names it."""
+"""The release that drops every deprecated path and name: written here once, every warning
+quotes it."""
 
 
 def moved_module(old: str, new: str) -> ModuleType:
@@ -37,15 +39,23 @@ def moved_module(old: str, new: str) -> ModuleType:
     return module
 
 
-def moved_name(old_module: str, name: str, new_module: str, stacklevel: int = 3) -> object:
-    """``old_module.name``, now ``new_module.name``, with a warning."""
+def moved_name(
+    old_module: str,
+    name: str,
+    new_module: str,
+    stacklevel: int = 3,
+    *,
+    new_name: str | None = None,
+) -> object:
+    """``old_module.name``, now ``new_module.name`` (or ``new_name``), with a warning."""
+    new_name = new_name or name
     warnings.warn(
-        f"{old_module}.{name} moved to {new_module}.{name}; "
+        f"{old_module}.{name} moved to {new_module}.{new_name}; "
         f"the old path goes away in release {REMOVAL_RELEASE}",
         DeprecationWarning,
         stacklevel=stacklevel,
     )
-    return getattr(importlib.import_module(new_module), name)
+    return getattr(importlib.import_module(new_module), new_name)
 
 
 _moved_names: dict[tuple[str, str], str] = {}

@@ -1,7 +1,8 @@
 """On-policy distillation: a teacher scores every token the student sampled, in context, and
 each token's advantage is the per-token reverse KL, −(log π_student − log π_teacher), alone or
-added to the env's advantage with ``distill_coef`` (docs/losses.md, On-policy distillation).
+added to the env's advantage with ``teacher.coef`` (docs/losses.md, On-policy distillation).
 
+- ``config.py``: ``TeacherConfig``, the one ``teacher`` setting of a loop's config;
 - ``teacher.py``: the ``Teacher`` protocol, the local teacher (a catalog model, a folder, a
   run or a checkpoint, scored by the trainer's own forward) and the tokenizer check;
 - ``endpoint.py``: a teacher behind an OpenAI-compatible ``/v1/completions`` that returns
@@ -11,6 +12,7 @@ added to the env's advantage with ``distill_coef`` (docs/losses.md, On-policy di
 """
 
 from post_training_cookbook.distill.advantages import DistillSettings, distill_batch
+from post_training_cookbook.distill.config import TeacherConfig
 from post_training_cookbook.distill.endpoint import EndpointTeacher
 from post_training_cookbook.distill.teacher import (
     LocalTeacher,
@@ -26,6 +28,7 @@ __all__ = [
     "EndpointTeacher",
     "LocalTeacher",
     "Teacher",
+    "TeacherConfig",
     "TeacherError",
     "TeacherSpec",
     "check_same_tokenizer",

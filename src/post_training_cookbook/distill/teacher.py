@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from post_training_cookbook.trainer.types import TrainingSample
+from post_training_cookbook.distill.config import is_endpoint
+from post_training_cookbook.trainer.scoring import LocalScorer, TokenScorer
 
 if TYPE_CHECKING:
     from post_training_cookbook.models.catalog import ModelInfo
-    from post_training_cookbook.trainer.trainer import Trainer
 
 
 class TeacherError(RuntimeError):
@@ -42,19 +40,10 @@ class TeacherAnswerError(TeacherCallError):
     number in range: a failed call (under ``env_errors``), counted apart, never trained on."""
 
 
-class Teacher(Protocol):
-    name: str
-
-    async def score(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
-        """Per sample, the log-probability of each sampled token given the ones before it
-        (one value per token; 0.0 where ``mask`` is 0)."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-def is_endpoint(source: str) -> bool:
-    return source.startswith(("http://", "https://"))
+class Teacher(TokenScorer, Protocol):
+    """On-policy distillation's teacher: a token scorer (``score``: per sample, the
+    log-probability of each sampled token given the ones before it; 0.0 where ``mask`` is 0),
+    local (``LocalTeacher``) or an endpoint (``distill/endpoint.py``)."""
 
 
 def teacher_model_info(source: str, config_type: Any = None) -> ModelInfo:
@@ -97,7 +86,7 @@ class ScoringSettings:
 
 @dataclass(frozen=True)
 class TeacherSpec:
-    """Which teacher a run opens, and how it calls it (``GRPOConfig``'s teacher fields)."""
+    """Which teacher a run opens, and how it calls it (from the run's ``TeacherConfig``)."""
 
     source: str
     """A catalog id, a folder, a run or a checkpoint; or an endpoint's ``http(s)://`` URL."""
@@ -115,13 +104,8 @@ class TeacherSpec:
         return is_endpoint(self.source)
 
 
-class LocalTeacher:
+class LocalTeacher(LocalScorer):
     """A model of ours as teacher: its weights in a trainer of their own, forward only."""
-
-    def __init__(self, source: str, trainer: Trainer) -> None:
-        self.name = source
-        self._trainer = trainer
-        self._lock = threading.Lock()  # one forward at a time on the one model
 
     @classmethod
     def load(cls, source: str, scoring: ScoringSettings, config_type: Any = None) -> LocalTeacher:
@@ -138,18 +122,6 @@ class LocalTeacher:
             device=scoring.device,
         )
         return cls(source, trainer)
-
-    async def score(self, samples: Sequence[TrainingSample]) -> list[list[float]]:
-        return await asyncio.to_thread(self._score, list(samples))
-
-    def _score(self, samples: list[TrainingSample]) -> list[list[float]]:
-        import torch
-
-        with self._lock, torch.inference_mode():
-            return self._trainer.forward(samples)
-
-    async def close(self) -> None:
-        self._trainer.close()
 
 
 async def open_teacher(spec: TeacherSpec, student: str, config_type: Any = None) -> Teacher:

@@ -12,12 +12,13 @@ length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
 again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 88 fields, each documented once, right under it (a test keeps the count).
+dataclass of 80 fields, each documented once, right under it (a test keeps the count).
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, fields, replace
 from datetime import UTC, datetime
 from functools import cache
@@ -26,6 +27,11 @@ from typing import TYPE_CHECKING, Any, Literal, get_type_hints
 
 import yaml
 
+from post_training_cookbook.distill.config import (
+    FLAT_TEACHER_NAMES,
+    TeacherConfig,
+    nest_flat_teacher_names,
+)
 from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnRewards
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
@@ -33,24 +39,19 @@ from post_training_cookbook.grpo.validation import (
     IN_0_1_CLOSED,
     IN_FLIGHT_NEEDS_ASYNC,
     IN_UNIT_INTERVAL,
-    TEACHER_MODEL_RULE,
-    TEACHER_RESPONSE_RULE,
     TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
     a_temperature,
     deferred_sync_needs_async,
     discount_needs_per_step,
-    endpoint_teacher,
     groups_in_flight_bound,
     is_async,
     loss_settings_valid,
-    needs_teacher,
     one_vllm_engine_per_process,
     only_with_dr_grpo,
     pipeline_needs_full_weight,
     replay_needs_torch_engine,
-    teacher_source,
     tensor_parallel_fits,
     torch_engine_only,
     transport_on_ray,
@@ -102,7 +103,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
     from os import PathLike
 
-__all__ = ["GRPOConfig", "WeightSyncType"]
+__all__ = ["GRPOConfig", "TeacherConfig", "WeightSyncType"]
 
 
 @dataclass(frozen=True)
@@ -291,35 +292,11 @@ class GRPOConfig:
     refused before any weights load. docs/grpo_config.md, Router replay."""
 
     # On-policy distillation (docs/losses.md, On-policy distillation)
-    teacher: str | None = setting(None, teacher_source)
-    """A teacher scores every token the student samples, in context; each token's advantage
-    gets distill_coef · (log π_teacher − log π_student). A catalog id, a folder, a run or a
-    checkpoint (sharing the student's tokenizer), or the ``http(s)://…/v1`` URL of an
-    OpenAI-compatible endpoint that returns ``prompt_logprobs`` (vLLM, our ``serve``). None:
-    no distillation."""
-    teacher_model: str | None = setting(None, only_when(endpoint_teacher, TEACHER_MODEL_RULE))
-    """The model name an endpoint teacher serves. None: the first its ``/v1/models`` lists."""
-    distill_coef: float = setting(1.0, positive, needs_teacher(1.0))
-    """Weight of the teacher's per-token advantage."""
-    distill_env_advantage: bool = setting(True, needs_teacher(True))
-    """Add the env's GRPO advantage to the teacher's. False: distillation alone (every group
-    trains, reward variance or not)."""
-    teacher_timeout_s: float = setting(60.0, positive)
-    """An endpoint teacher's request that takes longer fails (and is retried)."""
-    teacher_retries: int = setting(2, at_least(0), at_most(20, "each retry waits a timeout"))
-    """An endpoint teacher's failed request (timeout, 408, 409, 429, 5xx) is sent again up to
-    this many times; what still fails follows ``env_errors``."""
-    teacher_max_concurrency: int = setting(8, at_least(1))
-    """An endpoint teacher's requests in flight at once."""
-    teacher_max_response_bytes: int | None = setting(
-        None, at_least(1, or_none=True), only_when(endpoint_teacher, TEACHER_RESPONSE_RULE)
-    )
-    """An endpoint teacher's answer is read up to this many bytes; a longer one fails (not
-    retried) and follows ``env_errors``. None: 1,000 bytes a token sent (vLLM writes about
-    100), at least 1 MB."""
-    teacher_sequences_per_call: int | None = setting(None, at_least(1, or_none=True))
-    """Samples scored per teacher call. None: the whole batch at once for a local teacher
-    (micro-batched as the student's), 8 a request for an endpoint."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation's teacher and how it is called (``distill/config.py``; a model,
+    a run or an endpoint URL alone stands for ``TeacherConfig(source=...)``). A teacher
+    scores every token the student samples, in context; each token's advantage gets
+    teacher.coef · (log π_teacher − log π_student). None: no distillation."""
 
     # Async and scale-out
     max_steps_off_policy: int | None = setting(None, at_least(0, WHY_OFF_POLICY, or_none=True))
@@ -502,7 +479,8 @@ class GRPOConfig:
         if not isinstance(data, Mapping):
             raise ValueError(f"a GRPOConfig is a mapping of field names, got {type(data)}")
         names = [f.name for f in fields(cls)]
-        raise_if_any([unknown_key(key, names) for key in data if key not in names])
+        known = {*names, *FLAT_TEACHER_NAMES}  # the flat names: an old run's config.yaml
+        raise_if_any([unknown_key(key, names) for key in data if key not in known])
         return cls(**data)
 
     def to_yaml(self, path: str | PathLike[str]) -> Path:
@@ -539,6 +517,8 @@ class GRPOConfig:
         except ValueError as exc:
             raise ValueError(f"GRPOConfig: weight_sync_type: {exc}") from exc
         object.__setattr__(self, "weight_sync_type", sync)
+        if self.teacher is not None:  # a source alone (the shorthand), or YAML's mapping
+            object.__setattr__(self, "teacher", TeacherConfig.of(self.teacher))
         # An int where a float is expected is fine (learning_rate=1); store it as a float
         # so that the YAML dump and equality do not depend on how it was written.
         for name, hint in _field_types().items():
@@ -554,6 +534,19 @@ class GRPOConfig:
         ]
 
 
+_dataclass_init = GRPOConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: GRPOConfig, *args: Any, **settings: Any) -> None:
+    # The flat distillation names (distill_coef=..., teacher_timeout_s=...) keep working for
+    # one release, with a warning: folded into ``teacher`` before the dataclass sees them.
+    _dataclass_init(self, *args, **nest_flat_teacher_names(settings))
+
+
+GRPOConfig.__init__ = _init  # type: ignore[method-assign]
+
+
 _YAML_HEADER = "# GRPOConfig: load with GRPOConfig.from_yaml; fields in docs/grpo_config.md\n"
 
 
@@ -563,6 +556,8 @@ def _field_types() -> dict[str, Any]:
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, TeacherConfig):
+        return value.to_dict()
     if isinstance(value, tuple):  # what safe_dump writes and YAML gives back
         return list(value)
     return value.name if isinstance(value, enum.Enum) else value

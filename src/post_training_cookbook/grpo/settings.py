@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from post_training_cookbook.distill.advantages import DistillSettings
-from post_training_cookbook.distill.teacher import ScoringSettings, TeacherSpec, is_endpoint
+from post_training_cookbook.distill.teacher import ScoringSettings, TeacherSpec
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.evaluation.results import EvalSettings
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping
@@ -112,7 +112,7 @@ class RunSettings:
                 config.overlong_masking,
                 config.turn_rewards,
                 config.turn_discount,
-                env_advantage=config.teacher is None or config.distill_env_advantage,
+                env_advantage=config.teacher is None or config.teacher.env_advantage,
             ),
             loss=loss_config_of(config),
             learning_rate=LearningRateSchedule(
@@ -181,14 +181,15 @@ class RunSettings:
 
 
 def _distill(config: GRPOConfig) -> DistillSettings | None:
-    if config.teacher is None:
+    teacher = config.teacher
+    if teacher is None:
         return None
-    per_call = config.teacher_sequences_per_call
-    if per_call is None and is_endpoint(config.teacher):
+    per_call = teacher.sequences_per_call
+    if per_call is None and teacher.is_endpoint:
         per_call = ENDPOINT_SEQUENCES_PER_CALL
     return DistillSettings(
-        coef=config.distill_coef,
-        env_advantage=config.distill_env_advantage,
+        coef=teacher.coef,
+        env_advantage=teacher.env_advantage,
         env_errors=config.env_errors,
         sequences_per_call=per_call,
     )
@@ -220,21 +221,22 @@ def eval_settings(config: GRPOConfig) -> EvalSettings:
 
 
 def _teacher(config: GRPOConfig) -> TeacherSpec | None:
-    if config.teacher is None:
+    teacher = config.teacher
+    if teacher is None:
         return None
     return TeacherSpec(
-        source=config.teacher,
+        source=teacher.source,
         scoring=ScoringSettings(
             # None: the trainer's memory plan chooses; the teacher keeps its own default
             micro_batch_tokens=config.micro_batch_tokens or ScoringSettings.micro_batch_tokens,
             logprob_chunk_tokens=config.logprob_chunk_tokens,
             device="cpu" if config.device == "auto" and not _has_cuda() else _device(config),
         ),
-        endpoint_model=config.teacher_model,
-        timeout_s=config.teacher_timeout_s,
-        retries=config.teacher_retries,
-        max_concurrency=config.teacher_max_concurrency,
-        max_response_bytes=config.teacher_max_response_bytes,
+        endpoint_model=teacher.model,
+        timeout_s=teacher.timeout_s,
+        retries=teacher.retries,
+        max_concurrency=teacher.max_concurrency,
+        max_response_bytes=teacher.max_response_bytes,
     )
 
 

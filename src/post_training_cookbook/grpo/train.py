@@ -35,8 +35,7 @@ from post_training_cookbook.models.catalog import (
 )
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
 from post_training_cookbook.rollout import EpisodeRunner, EpisodesInFlight, check_episode_inputs
-from post_training_cookbook.runs.directory import LoopState, resume_from_checkpoint
-from post_training_cookbook.runs.reporting import ConsoleProgress, RunLog, WandbLogger
+from post_training_cookbook.runs.opening import claim_run_folder, open_run_folder
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import check_service_spec, open_service
 from post_training_cookbook.sync import run_sync
@@ -151,19 +150,12 @@ async def open_run(
 ) -> AsyncIterator[Run]:
     """The run's codec and service (resumed from the newest readable checkpoint with
     ``resume``), directory and W&B; on the way out, whatever happened, each is closed in
-    reverse order. The folder is written only once everything has loaded, and a resumed
-    config is checked against the run's config.yaml first (``RunDirectory.check_resumable``).
+    reverse order. The folder is claimed before anything loads and written only once
+    everything has (``runs/opening.py``).
 
     ``service``: run on a service the caller built (and closes), instead of opening one
     from ``settings.service``."""
-    name = config.resolved_run_name()
-    directory = RunDirectory(config.run_dir())
-    if directory.path.exists() and not config.resume and any(directory.path.iterdir()):
-        raise ValueError(
-            f"{directory.path} already exists: pick another run_name or set resume=True"
-        )
-    if config.resume:
-        directory.check_resumable(config)
+    directory = claim_run_folder(RunDirectory, config)
     async with contextlib.AsyncExitStack() as opened:
         # After an error (the generators are closed by then): wait for the episodes still in
         # flight, so that each closes its env. Their sampling fails at once; an env call still
@@ -181,31 +173,20 @@ async def open_run(
         if settings.teacher is not None:
             teacher = await open_teacher(settings.teacher, model.model_id, GRPOConfig)
             opened.push_async_callback(teacher.close)
-        resumed: LoopState | None = None
-        notes: list[str] = []
-        if config.resume:
-            resumed, notes = await resume_from_checkpoint(directory, service)
-        # Loaded: only now does anything in the run folder change. W&B starts here too, as the
-        # hosted guide says: a run without a W&B setup fails after it provisions the model.
-        notes += directory.start(config, resumed)
-        wandb = WandbLogger(
-            config.wandb_project, name, str(directory.path), config.to_dict(), resume=config.resume
+        # Loaded: only now does anything in the run folder change, and W&B start.
+        log, resumed = await open_run_folder(
+            opened, directory, config, service, settings.schedule.num_steps
         )
-        opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
-        start = resumed.step if resumed else 0
-        progress = opened.enter_context(ConsoleProgress(settings.schedule.num_steps, start, name))
-        for note in notes:
-            progress.note(note)
         stops = codec.stop_token_ids
         yield Run(
-            name=name,
+            name=config.resolved_run_name(),
             settings=settings,
             service=service,
             episodes=EpisodeRunner(env_factory, service, codec, settings.episodes, in_flight),
             train_params=replace(settings.train_sampling, stop_token_ids=stops),
             val_params=replace(settings.val_sampling, stop_token_ids=stops),
             directory=directory,
-            log=RunLog(directory, wandb, progress),
+            log=log,
             resumed=resumed,
             teacher=teacher,
         )

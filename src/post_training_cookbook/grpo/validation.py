@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.runs.config import (
-    Rule,
     on_ray,
 )
 from post_training_cookbook.service.types import VLLM_RECORDS_NO_ROUTES, WeightSyncType
@@ -102,33 +101,6 @@ def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | 
         f"turn_rewards='per_step' (got turn_rewards={config.turn_rewards!r}): set "
         "turn_rewards='per_step' or leave turn_discount=1.0"
     )
-
-
-TEACHER_MODEL_RULE = "teacher_model names an endpoint teacher's model: set teacher to its URL"
-TEACHER_RESPONSE_RULE = (
-    "teacher_max_response_bytes bounds an endpoint teacher's answers: set teacher to its URL"
-)
-
-
-def endpoint_teacher(config: GRPOConfig) -> bool:
-    return config.teacher is not None and config.teacher.startswith(("http://", "https://"))
-
-
-def teacher_source(config: GRPOConfig, name: str, value: Any) -> str | None:
-    if value is None or not value.startswith("http") or endpoint_teacher(config):
-        return None
-    return f"teacher={value!r} looks like a URL: write it as http(s)://host:port/v1"
-
-
-def needs_teacher(default: Any) -> Rule:
-    """A distillation setting other than its default needs a teacher."""
-
-    def rule(config: Any, name: str, value: Any) -> str | None:
-        if value == default or config.teacher is not None:
-            return None
-        return f"{name}={value!r} applies to on-policy distillation: set teacher too"
-
-    return rule
 
 
 def deferred_sync_needs_async(config: GRPOConfig, name: str, value: Any) -> str | None:

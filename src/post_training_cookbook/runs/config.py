@@ -68,7 +68,8 @@ Rule = Callable[[Any, str, Any], str | None]
 
 
 def setting(default: Any, *rules: Rule) -> Any:
-    """A config field with its default and the rules its value must keep."""
+    """A config field with its default and the rules its value must keep
+    (``dataclasses.MISSING`` for the default: none, the field is required)."""
     return dataclasses.field(default=default, metadata={"rules": rules})
 
 
@@ -76,19 +77,20 @@ def field_rules(field: dataclasses.Field[Any]) -> tuple[Rule, ...]:
     return tuple(field.metadata.get("rules", ()))
 
 
-def value_problems(config: Any) -> list[str]:
+def value_problems(config: Any, prefix: str = "") -> list[str]:
     """Every rule of every field of a config dataclass (``GRPOConfig``, ``SFTConfig``) that
     its value breaks, after the rules for every field of a kind: floats are finite, strings
-    are not empty."""
+    are not empty. ``prefix``: where a nested config sits (``"teacher."``), to name its fields
+    by their path."""
     problems = []
     for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
+        name, value = prefix + f.name, getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            problems.append(f"{f.name} must be a finite number, got {value}")
+            problems.append(f"{name} must be a finite number, got {value}")
             continue
         if isinstance(value, str) and not value.strip():
-            problems.append(f"{f.name} must not be empty (use None where that is allowed)")
-        problems += [p for rule in field_rules(f) if (p := rule(config, f.name, value))]
+            problems.append(f"{name} must not be empty (use None where that is allowed)")
+        problems += [p for rule in field_rules(f) if (p := rule(config, name, value))]
     return problems
 
 

@@ -19,8 +19,8 @@ back whole, and says which ones it skipped and why; checkpoints of earlier versi
 
 Nothing in an existing run folder changes before the resumed run has loaded: ``start``
 writes config.yaml, drops the metrics lines past the checkpoint and removes what
-interrupted saves left, and the loops' ``open_run`` call it last. The ``Run`` a GRPO loop holds
-while it trains is ``grpo/runs.py``'s.
+interrupted saves left, and every loop calls it last (``runs/opening.py``). The ``Run`` a
+GRPO loop holds while it trains is ``grpo/runs.py``'s.
 """
 
 from __future__ import annotations

@@ -34,11 +34,11 @@ def load_served_model(
     memory, ``engine/prefix_cache.py``)."""
     import torch
 
-    from post_training_cookbook.distill.teacher import LocalTeacher
     from post_training_cookbook.engine.local import LocalEngine
     from post_training_cookbook.evaluation.models import load_eval_weights, resolve_eval_model
     from post_training_cookbook.models.catalog import check_model_can_sample
     from post_training_cookbook.models.loading import load_codec
+    from post_training_cookbook.trainer.scoring import LocalScorer
     from post_training_cookbook.trainer.trainer import Trainer
 
     model = resolve_eval_model(model_or_checkpoint, step=step, codec=codec)
@@ -52,7 +52,7 @@ def load_served_model(
         max_batch_size=max_batch_size,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    scorer = LocalTeacher(name or model.name, Trainer(weights, use_lora=False, device="cpu"))
+    scorer = LocalScorer(name or model.name, Trainer(weights, use_lora=False, device="cpu"))
     served = ServedModel(
         name or model.name, loaded_codec, engine, length, default_max_tokens, scorer
     )

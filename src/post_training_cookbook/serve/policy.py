@@ -32,7 +32,7 @@ from post_training_cookbook.types import Message
 
 if TYPE_CHECKING:
     from post_training_cookbook.codecs import Codec
-    from post_training_cookbook.distill.teacher import Teacher
+    from post_training_cookbook.trainer.scoring import TokenScorer
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -47,7 +47,7 @@ class ServedModel:
     max_model_length: int
     default_max_tokens: int = 256
     """``max_tokens`` of a request that names none."""
-    scorer: Teacher | None = None
+    scorer: TokenScorer | None = None
     """Scores prompts for ``/v1/completions`` (``prompt_scores.py``); None: not served."""
 
 

@@ -6,7 +6,8 @@ trainer service as GRPO.
    and counted; still before any weights load.
 2. The service (``open_service``: LoRA or full, bf16 masters, gradient checkpointing,
    chunked log-probabilities, sharded workers on Ray); a resumed run loads its newest
-   readable checkpoint; only then the run folder (config.yaml) and W&B, as ``grpo/train.py``.
+   readable checkpoint; only then the run folder (config.yaml) and W&B, as GRPO does
+   (``runs/opening.py``).
 3. The loop: each step's conversations (``plan_batches``, fixed by the data and the seed),
    one ``forward_backward`` with the ``"sft"`` loss (mean NLL over the batch's trained
    tokens), one ``optim_step``; the validation loss every ``validation_interval`` steps;
@@ -37,9 +38,9 @@ from post_training_cookbook.models.catalog import (
 )
 from post_training_cookbook.models.loading import load_codec
 from post_training_cookbook.runs.config import LearningRateSchedule
-from post_training_cookbook.runs.directory import LoopState, RunDirectory, resume_from_checkpoint
+from post_training_cookbook.runs.directory import LoopState, RunDirectory
 from post_training_cookbook.runs.models import trainer_settings
-from post_training_cookbook.runs.reporting import ConsoleProgress, RunLog, WandbLogger
+from post_training_cookbook.runs.opening import claim_run_folder, open_run_folder
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, check_service_spec, open_service
 from post_training_cookbook.sft.config import SFTConfig
@@ -114,13 +115,7 @@ def service_spec(config: SFTConfig, info: ModelInfo) -> ServiceSpec:
 async def _train(
     config: SFTConfig, spec: ServiceSpec, train: RenderedData, val: RenderedData
 ) -> RunDirectory:
-    directory = SFTRunDirectory(config.run_dir())
-    if directory.path.exists() and not config.resume and any(directory.path.iterdir()):
-        raise ValueError(
-            f"{directory.path} already exists: pick another run_name or set resume=True"
-        )
-    if config.resume:
-        directory.check_resumable(config)
+    directory = claim_run_folder(SFTRunDirectory, config)
     examples = train.examples
     plan = plan_batches(
         [len(example.tokens) for example in examples],
@@ -135,23 +130,11 @@ async def _train(
     async with contextlib.AsyncExitStack() as opened:
         service = await open_service(spec)
         opened.push_async_callback(service.close)
-        resumed: LoopState | None = None
-        notes: list[str] = []
-        if config.resume:
-            resumed, notes = await resume_from_checkpoint(directory, service)
-        notes += directory.start(config, resumed)
-        notes += _write_data_summary(directory, train, val, len(plan))
-        wandb = WandbLogger(
-            config.wandb_project, config.resolved_run_name(), str(directory.path),
-            config.to_dict(), resume=config.resume,
-        )  # fmt: skip
-        opened.push(lambda error_type, *_: wandb.finish(failed=error_type is not None))
+        log, resumed = await open_run_folder(opened, directory, config, service, len(plan))
+        for note in _write_data_summary(directory, train, val, len(plan)):
+            log.note(note)
         start = resumed.step if resumed else 0
         name = config.resolved_run_name()
-        progress = opened.enter_context(ConsoleProgress(len(plan), start, name))
-        for note in notes:
-            progress.note(note)
-        log = RunLog(directory, wandb, progress)
         for step in range(start, len(plan)):
             metrics: dict[str, float] = {}
             if val_samples and _validation_due(config, step):

@@ -5,8 +5,9 @@ or as Ray actors); the trainer knows nothing of generators or weight sync. Modul
 ``trainer`` (``Trainer``: forward_backward, optim_step, checkpoints), ``logprobs`` (token
 log-probabilities of micro-batches), ``losses`` (the policy-gradient losses), ``precision``
 (bf16 weights with fp32 masters), ``attention`` (the CPU attention choice), ``packing`` and
-``packed_layout`` (micro-batches as token streams, shared prefixes once), ``memory_plan``
-(micro-batch size and checkpointing from free memory), ``checkpoints``,
+``packed_layout`` (micro-batches as token streams, shared prefixes once), ``scoring`` (a
+model that scores tokens, forward only: a local teacher, the server's prompt scorer),
+``memory_plan`` (micro-batch size and checkpointing from free memory), ``checkpoints``,
 ``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks and their DCP checkpoints). The records
 (``types``) import without torch; ``Trainer`` is imported on first use.
 """

@@ -354,7 +354,8 @@ assert set(LOSS_FNS) == set(TRAINER_LOSS_TYPES)
 
 
 def get_loss_fn(loss_type: str) -> LossFn:
-    """The loss function for ``loss_type``; call once when the run is built."""
+    """The loss function for ``loss_type``: a dictionary lookup, which the trainer makes on
+    every ``forward_backward`` (each call names its loss in its ``LossConfig``)."""
     try:
         return LOSS_FNS[loss_type]
     except KeyError:

@@ -1,7 +1,7 @@
 """``GameSolver``: a scripted player of the tool-use game: the next assistant message for a
 conversation (``next_message``), which ``collect_demonstrations`` plays as a policy.
 
-It knows the game's protocol and its questions' grammar (``teacher.parse_question``): one
+It knows the game's protocol and its questions' grammar (``scripted_player.parse_question``): one
 ``lookup`` per fact the question names, the ``calculator`` for any arithmetic, then the
 tool's result as the final answer. It reads every value from the tools' results and never
 from the world, so its episodes are honest demonstrations of tool use (``sft``'s
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 
-from post_training_cookbook.envs.tool_use_game.teacher import parse_question
+from post_training_cookbook.envs.tool_use_game.scripted_player import parse_question
 from post_training_cookbook.types import Message, ToolCall
 
 
