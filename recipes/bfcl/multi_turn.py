@@ -101,13 +101,15 @@ def demos(out: Path) -> dict:
     return {"entries": len(train), "kept": len(result.conversations)}
 
 
-def _multi_turn(model: str, out: Path, label: str, split: str, limit: int | None = None) -> dict:
+def _multi_turn(
+    model: str, out: Path, label: str, split: str, limit: int | None = None, step: int | None = None
+) -> dict:
     from post_training_cookbook.evaluation import evaluate
 
     chosen = entries(split)[:limit]
     result = evaluate(
         model, [entry.to_task() for entry in chosen], env_factory, 1, codec=QWEN_CODEC,
-        temperature=0.0, label=label, runs_dir=out / "evals", progress=True, **EVAL,
+        temperature=0.0, label=label, runs_dir=out / "evals", progress=True, step=step, **EVAL,
     )  # fmt: skip
     per_entry = {}
     for group in result.groups:
@@ -243,6 +245,16 @@ def eval_grpo(out: Path) -> dict:
     return _multi_turn(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN, "held_out")
 
 
+EVAL_STEP = int(sys.argv[sys.argv.index("--eval-step") + 1]) if "--eval-step" in sys.argv else None
+"""``--eval-step N``: only score the GRPO run's checkpoint N on the held-out entries (after
+the stage, not beside it: the two do not fit in 24 GB together)."""
+
+
+def eval_grpo_checkpoint(out: Path) -> dict:
+    label = f"{GRPO_RUN}_step{EVAL_STEP}"
+    return _multi_turn(str(out / GRPO_RUN), out, label, "held_out", step=EVAL_STEP)
+
+
 def bfcl_grpo(out: Path) -> dict:
     return _bfcl(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN)
 
@@ -327,6 +339,8 @@ STAGES = (
 """BFCL single-turn last: no stage needs it, and the multi-turn numbers matter first."""
 STAGE_FUNCTIONS = {stage.replace("grpo", GRPO_RUN): globals()[stage] for stage in STAGES}
 """With ``--seed N``, the GRPO stages are ``grpo_seedN``, ``eval_grpo_seedN``, ..."""
+if EVAL_STEP is not None:
+    STAGE_FUNCTIONS = {f"eval_{GRPO_RUN}_step{EVAL_STEP}": eval_grpo_checkpoint}
 
 
 if __name__ == "__main__":
