@@ -3,7 +3,7 @@
     python recipes/bfcl/tag_probe.py OUT [STEP] [--conversations N]
 
 Scores the first N (default 1) demonstrations of ``OUT/demos.jsonl`` with the SFT run's
-newest checkpoint (or checkpoint STEP; ``0``: the start model), and prints, at each trained
+final model (or its checkpoint STEP; ``0``: the start model), and prints, at each trained
 position whose target is ``<tool_call>`` or ``</tool_call>``, the tag's log-probability and
 the token the model ranks first; the same at the first token of each assistant reply (a call's
 tag, or the text that ends a user turn). A model that ranks something else first (``<|im_start|>``,
@@ -19,14 +19,12 @@ from pathlib import Path
 import torch
 from qwen_coder import TOOL_CALL_TAGS
 
-from post_training_cookbook.models import resolve_model
+from post_training_cookbook.models import ModelInfo, resolve_model
 from post_training_cookbook.models.loading import load_codec, load_model
-from post_training_cookbook.runs.checks import checkpoint_folders
+from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
 from post_training_cookbook.sft.config import SFTConfig
 from post_training_cookbook.sft.conversations import read_conversations
 from post_training_cookbook.sft.data import render_examples
-from post_training_cookbook.sft.train import service_spec
-from post_training_cookbook.trainer.trainer import Trainer
 
 
 def main() -> None:
@@ -38,19 +36,17 @@ def main() -> None:
     config = SFTConfig.from_yaml(args.out / "sft" / "config.yaml")
     info = resolve_model(config.model, codec=config.codec)
     codec = load_codec(info)
-    model = load_model(info, torch.float32)
-    if args.step != 0:
-        checkpoints = checkpoint_folders(args.out / "sft" / "checkpoints")  # newest first
-        chosen = (
-            checkpoints[0]
-            if args.step is None
-            else next(c for c in checkpoints if c.name == f"step_{args.step:06d}")
-        )
-        trainer = Trainer.from_settings(config.model, service_spec(config, info).trainer)
-        trainer.load_training_checkpoint(chosen, load_optimizer=False)
-        model.load_state_dict(trainer.state_dict_for_inference())
-        trainer.close()
-        print(f"checkpoint {chosen.name}")
+    scored = (  # a run's checkpoint is merged into its base as evaluate does
+        resolve_model(config.model, codec=config.codec)
+        if args.step == 0
+        else resolve_eval_model(str(args.out / "sft"), step=args.step, config_type=SFTConfig)
+    )
+    model = (
+        load_model(scored, torch.float32)
+        if isinstance(scored, ModelInfo)
+        else load_eval_weights(scored, torch.float32)
+    )
+    print(f"scoring {scored.model_id if isinstance(scored, ModelInfo) else scored.name}")
     conversations = read_conversations(args.out / "demos.jsonl")[: args.conversations]
     examples = render_examples(codec, conversations, "all", config.max_model_length).examples
     tags = {codec.tokenizer.convert_tokens_to_ids(t) for t in TOOL_CALL_TAGS}

@@ -25,6 +25,8 @@ from typing import Any, Literal, Protocol, Union, get_args, get_origin
 
 import yaml
 
+from post_training_cookbook.trainer.types import token_rows_problem
+
 
 class LoopConfig(Protocol):
     """What the rules below read of a loop's config."""
@@ -197,13 +199,7 @@ def sharded_trainer_on_ray(config: LoopConfig, name: str, value: Any) -> str | N
 
 
 def token_rows_with_lora(config: Any, name: str, value: Any) -> str | None:
-    if not value:
-        return None
-    if not config.use_lora:
-        return f"{name} is for LoRA (use_lora=True): full-weight training trains every row"
-    if config.num_trainer_workers > 1:
-        return f"{name} is not supported by the sharded trainer (num_trainer_workers > 1) yet"
-    return None
+    return token_rows_problem(value, config.use_lora, sharded=config.num_trainer_workers > 1)
 
 
 def resume_needs_run_name(config: LoopConfig, name: str, value: Any) -> str | None:

@@ -18,16 +18,17 @@ import torch
 from peft.tuners.trainable_tokens.layer import TrainableTokensLayer
 from torch import Tensor
 
+from post_training_cookbook.trainer.types import token_rows_problem
+
 TOKEN_ADAPTER = "token_adapter"
 """The module name peft's wrapper gives its ``TrainableTokensLayer``."""
 
 
 def check_token_rows(tokens: Sequence[str], use_lora: bool, sharded: bool) -> None:
     """ValueError where ``trainable_tokens`` cannot apply."""
-    if tokens and not use_lora:
-        raise ValueError("trainable_tokens is for LoRA: full-weight training trains every row")
-    if tokens and sharded:
-        raise ValueError("trainable_tokens is not supported by the sharded trainer yet")
+    problem = token_rows_problem(tokens, use_lora, sharded)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def token_ids(tokenizer: Any, tokens: Sequence[str]) -> list[int]:

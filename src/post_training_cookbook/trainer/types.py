@@ -8,6 +8,7 @@ from) is always masked.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -130,6 +131,18 @@ class OptimStepResult:
     skipped: bool
     """True when a non-finite loss or gradient made the step a no-op."""
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def token_rows_problem(tokens: Sequence[str], use_lora: bool, sharded: bool) -> str | None:
+    """Why ``trainable_tokens`` cannot apply to this trainer, or None (the config's rule and
+    the trainer both ask)."""
+    if tokens and not use_lora:
+        return "trainable_tokens is for LoRA (use_lora=True): full-weight training trains every row"
+    if tokens and sharded:
+        return (
+            "trainable_tokens is not supported by the sharded trainer (num_trainer_workers > 1) yet"
+        )
+    return None
 
 
 @dataclass(frozen=True)
