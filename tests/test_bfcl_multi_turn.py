@@ -385,11 +385,8 @@ def test_eval_cli_scores_bfcl_multi_turn_with_per_turn_rows(capsys):
     assert "unknown BFCL multi-turn categories" in capsys.readouterr().err
 
 
-def test_the_recipe_scores_every_model_it_makes_on_held_out_entries_only():
-    """The real recipe (hours on 2 cores): every stage has a function, each model is scored
-    after it is made, evaluation reads the held-out side, training the train side."""
+def _multi_turn_recipe():
     import importlib.util
-    import inspect
     import sys
 
     folder = Path(__file__).parent.parent / "recipes" / "bfcl"
@@ -403,16 +400,56 @@ def test_the_recipe_scores_every_model_it_makes_on_held_out_entries_only():
         spec.loader.exec_module(recipe)
     finally:
         sys.path[:] = saved
+    return recipe
+
+
+def test_the_recipe_scores_every_model_it_makes_on_held_out_entries_only():
+    """The real recipe (hours on 2 cores): every stage has a function, each model is scored
+    after it is made, evaluation reads the held-out side, training the train side."""
+    import inspect
+
+    recipe = _multi_turn_recipe()
     stages = list(recipe.STAGE_FUNCTIONS)
     for model in ("sft", "grpo"):
-        for scored in (f"eval_{model}", f"bfcl_{model}"):
+        for scored in (f"eval_{model}", f"eval_{model}_wide", f"bfcl_{model}"):
             assert stages.index(scored) > stages.index(model)
     assert stages.index("eval_base") < stages.index("sft")
-    for name in ("eval_base", "eval_sft", "eval_grpo"):
+    for name in ("eval_base", "eval_sft", "eval_grpo", "eval_sft_wide", "eval_grpo_wide"):
         assert '"held_out"' in inspect.getsource(recipe.STAGE_FUNCTIONS[name])
     grpo = inspect.getsource(recipe.grpo)
     assert 'entries("train")' in grpo and 'turn_rewards="per_step"' in grpo
     assert "max_sampling_attempts=" in grpo
+
+
+def test_the_paired_gain_clusters_a_scenarios_variants_together():
+    """One scenario's variants in several categories pass or fail together: counted as one
+    cluster their standard error is larger than as independent entries, the gain the same."""
+    recipe = _multi_turn_recipe()
+
+    def scores(valid: dict[str, int]) -> dict:
+        return {"per_entry": {i: {"turns": 4, "turns_valid": v} for i, v in valid.items()}}
+
+    before = scores({f"multi_turn_{c}_{n}": 0 for c in ("base", "miss_func") for n in (3, 7, 9)})
+    after = scores({"multi_turn_base_3": 4, "multi_turn_miss_func_3": 4} | {
+        f"multi_turn_{c}_{n}": 0 for c in ("base", "miss_func") for n in (7, 9)
+    })  # fmt: skip
+    by_entry = recipe.paired_turn_gain(before, after)
+    by_scenario = recipe.paired_turn_gain(before, after, by_scenario=True)
+    assert by_entry["gain"] == by_scenario["gain"] == pytest.approx(8 / 24)
+    assert (by_entry["clusters"], by_scenario["clusters"]) == (6, 3)
+    assert by_scenario["se"] > by_entry["se"] > 0
+
+
+def test_the_paired_bfcl_change_compares_the_same_items_from_the_stage_json():
+    """BFCL single-turn before/after: each item's verdict is kept in the stage's JSON (the
+    eval folder is not carried across machines); only items scored in both count."""
+    recipe = _multi_turn_recipe()
+    before = {"per_item": {"simple_0": 1, "simple_1": 1, "multiple_0": 0, "only_before": 1}}
+    after = {"per_item": {"simple_0": 1, "simple_1": 0, "multiple_0": 0}, "eval_dir": "/gone"}
+    change = recipe.paired_bfcl_change(before, after)
+    assert change["items"] == 3
+    assert change["change"] == pytest.approx(-1 / 3)
+    assert change["se"] > 0 and change["change_in_se"] < 0
 
 
 def test_demonstrations_of_the_ground_truth_carry_each_entrys_tools(tmp_path):

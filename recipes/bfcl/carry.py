@@ -92,7 +92,7 @@ def merge_adapter(docs: Path, sft: Path) -> None:
     """``sft/final_model``: the base model with the carried adapter merged, written by a
     trainer set up as the SFT stage's was (so the weights are the ones it wrote)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from qwen_coder import qwen_coder_folder
+    from qwen_coder import qwen_coder_folder, qwen_coder_tagged_folder
 
     from post_training_cookbook.models import resolve_model
     from post_training_cookbook.sft import SFTConfig
@@ -100,8 +100,10 @@ def merge_adapter(docs: Path, sft: Path) -> None:
     from post_training_cookbook.trainer.trainer import Trainer
 
     config = SFTConfig.from_yaml(docs / "sft_config.yaml")
-    if not Path(config.model).exists():
-        qwen_coder_folder()  # the base model's folder, converted from its wheels
+    if not Path(config.model).exists():  # the base model's folder, converted from its wheels
+        tagged = config.model.endswith("-tool-tags")  # the SFT stage's start (tag rows trained)
+        made = (qwen_coder_tagged_folder if tagged else qwen_coder_folder)()
+        assert str(made) == config.model, f"{config.model} is not where this machine makes it"
     settings = service_spec(config, resolve_model(config.model, codec=config.codec)).trainer
     trainer = Trainer.from_settings(config.model, settings)
     trainer.load_training_checkpoint(docs / ADAPTER, load_optimizer=False)

@@ -52,6 +52,15 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTur
 
 MAX_PROMPT_TOKENS = 5200
 CATEGORIES = ("multi_turn_base",)
+"""Trained on, and scored at every stage."""
+WIDE_CATEGORIES = (
+    "multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context",
+)  # fmt: skip
+"""The ``*_wide`` stages score SFT and GRPO on the held-out entries of all four categories
+(same bound): the same held-out scenarios' variants (a function held back until a later
+turn, a parameter the user leaves out, a long backend state) and three more scenarios that
+only ``miss_func`` keeps under the bound. A scenario's variants are not independent, so
+their paired gain is clustered by scenario."""
 EVAL = {
     "max_turns": 24,
     "max_model_length": 8192,
@@ -71,7 +80,7 @@ def env_factory(task):
 
 
 @functools.cache
-def entries(split: str) -> list[MultiTurnEntry]:
+def entries(split: str, categories: tuple[str, ...] = CATEGORIES) -> list[MultiTurnEntry]:
     """The subset's entries of ``split`` (the module's docstring)."""
     from transformers import AutoTokenizer
 
@@ -80,7 +89,7 @@ def entries(split: str) -> list[MultiTurnEntry]:
     codec = get_codec(QWEN_CODEC, AutoTokenizer.from_pretrained(qwen_coder_folder()))
     return [
         entry
-        for entry in load_multi_turn_entries(CATEGORIES, split)  # type: ignore[arg-type]
+        for entry in load_multi_turn_entries(categories, split)  # type: ignore[arg-type]
         if len(codec.render_prompt(entry.opening(0), entry.tool_specs)) <= MAX_PROMPT_TOKENS
     ]
 
@@ -102,11 +111,17 @@ def demos(out: Path) -> dict:
 
 
 def _multi_turn(
-    model: str, out: Path, label: str, split: str, limit: int | None = None, step: int | None = None
+    model: str,
+    out: Path,
+    label: str,
+    split: str,
+    limit: int | None = None,
+    step: int | None = None,
+    categories: tuple[str, ...] = CATEGORIES,
 ) -> dict:
     from post_training_cookbook.evaluation import evaluate
 
-    chosen = entries(split)[:limit]
+    chosen = entries(split, categories)[:limit]
     result = evaluate(
         model, [entry.to_task() for entry in chosen], env_factory, 1, codec=QWEN_CODEC,
         temperature=0.0, label=label, runs_dir=out / "evals", progress=True, step=step, **EVAL,
@@ -151,7 +166,20 @@ def _bfcl(model: str, out: Path, label: str) -> dict:
         "correct": correct,
         "total": total,
         "pooled_accuracy": correct / total,
+        "per_item": _bfcl_verdicts(Path(result.output_dir)),
         "eval_dir": str(result.output_dir),
+    }
+
+
+def _bfcl_verdicts(eval_dir: Path) -> dict[str, int]:
+    """Each BFCL item's verdict (1: valid), kept in the stage's JSON: the paired comparison
+    needs it and the eval folder is not carried across machines (``carry.py``)."""
+    import json
+
+    records = [json.loads(line) for line in (eval_dir / "episodes.jsonl").read_text().splitlines()]
+    return {
+        r["task"]["metadata"]["bfcl"]["id"]: int(r["metrics"].get("bfcl_valid") == 1.0)
+        for r in records
     }
 
 
@@ -198,6 +226,11 @@ def eval_sft(out: Path) -> dict:
     return _multi_turn(str(out / "sft" / "final_model"), out, "sft", "held_out")
 
 
+def eval_sft_wide(out: Path) -> dict:
+    model = str(out / "sft" / "final_model")
+    return _multi_turn(model, out, "sft_wide", "held_out", categories=WIDE_CATEGORIES)
+
+
 def bfcl_sft(out: Path) -> dict:
     return _bfcl(str(out / "sft" / "final_model"), out, "sft")
 
@@ -227,7 +260,9 @@ def grpo(out: Path) -> dict:
         lora_alpha=16,
         gradient_checkpointing=True,  # SFT without it took 21.8 GB on one 8k micro-batch
         turn_rewards="per_step",
-        max_sampling_attempts=3,
+        # Seed 0's run (docs/runs/bfcl_multi_turn/run1) had 3 rounds: its step 12 found no
+        # group with reward variance in 6 groups (36 episodes) and trained on nothing
+        max_sampling_attempts=6,
         validation_interval=0,  # each stage is scored by evaluate, under EVAL
         checkpoint_interval=1,
         runs_dir=str(out),
@@ -245,6 +280,11 @@ def eval_grpo(out: Path) -> dict:
     return _multi_turn(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN, "held_out")
 
 
+def eval_grpo_wide(out: Path) -> dict:
+    model = str(out / GRPO_RUN / "final_model")
+    return _multi_turn(model, out, f"{GRPO_RUN}_wide", "held_out", categories=WIDE_CATEGORIES)
+
+
 EVAL_STEP = int(sys.argv[sys.argv.index("--eval-step") + 1]) if "--eval-step" in sys.argv else None
 """``--eval-step N``: only score the GRPO run's checkpoint N on the held-out entries (after
 the stage, not beside it: the two do not fit in 24 GB together)."""
@@ -259,27 +299,60 @@ def bfcl_grpo(out: Path) -> dict:
     return _bfcl(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN)
 
 
-def paired_turn_gain(before: dict, after: dict) -> dict:
+def paired_turn_gain(before: dict, after: dict, by_scenario: bool = False) -> dict:
     """Per-turn accuracy after minus before on the same held-out entries, with the
-    standard error of the paired difference (entries as the pairs: one entry's turns pass
-    and fail together) and how many standard errors the gain is."""
+    standard error of the paired difference (entries as the clusters: one entry's turns pass
+    and fail together; ``by_scenario``: a scenario's variants in every category together)
+    and how many standard errors the gain is."""
     from post_training_cookbook.evaluation.benchmarks import clustered_se
 
     ids = sorted(set(before["per_entry"]) & set(after["per_entry"]))
-    pairs = [(after["per_entry"][i], before["per_entry"][i]) for i in ids]
-    clusters = [(a["turns_valid"] - b["turns_valid"], b["turns"]) for a, b in pairs]
-    gain = sum(d for d, _ in clusters) / sum(t for _, t in clusters)
-    se = clustered_se(clusters)  # the same ratio estimator, on the differences
-    return {"entries": len(ids), "gain": gain, "se": se, "gain_in_se": gain / se if se else None}
+    clusters: dict[str, tuple[int, int]] = {}
+    for i in ids:
+        a, b = after["per_entry"][i], before["per_entry"][i]
+        key = i.rsplit("_", 1)[1] if by_scenario else i
+        change, turns = clusters.get(key, (0, 0))
+        clusters[key] = (change + a["turns_valid"] - b["turns_valid"], turns + b["turns"])
+    gain = sum(d for d, _ in clusters.values()) / sum(t for _, t in clusters.values())
+    se = clustered_se(list(clusters.values()))  # the same ratio estimator, on the differences
+    return {
+        "entries": len(ids),
+        "clusters": len(clusters),
+        "gain": gain,
+        "se": se,
+        "gain_in_se": gain / se if se else None,
+    }
+
+
+def paired_bfcl_change(before: dict, after: dict) -> dict:
+    """BFCL single-turn accuracy after minus before on the same items, with the standard
+    error of the paired difference (each item's verdict)."""
+    from post_training_cookbook.evaluation.benchmarks import clustered_se
+
+    def verdicts(stage: dict) -> dict[str, int]:
+        return stage.get("per_item") or _bfcl_verdicts(Path(stage["eval_dir"]))
+
+    old, new = verdicts(before), verdicts(after)
+    ids = sorted(set(old) & set(new))
+    changes = [(new[i] - old[i], 1) for i in ids]
+    change = sum(d for d, _ in changes) / len(ids)
+    se = clustered_se(changes)
+    return {
+        "items": len(ids),
+        "change": change,
+        "se": se,
+        "change_in_se": change / se if se else None,
+    }
 
 
 def report(out: Path) -> dict:
     """The stage table's paired comparisons (held-out per-turn accuracy)."""
     import json
 
+    names = ("eval_base", "eval_sft", f"eval_{GRPO_RUN}", "eval_sft_wide", f"eval_{GRPO_RUN}_wide")
     scores = {
         name: json.loads((out / f"{name}.json").read_text())
-        for name in ("eval_base", "eval_sft", f"eval_{GRPO_RUN}")
+        for name in names
         if (out / f"{name}.json").exists()
     }
     result = {}
@@ -289,6 +362,22 @@ def report(out: Path) -> dict:
         result[f"{GRPO_RUN}_over_sft"] = paired_turn_gain(
             scores["eval_sft"], scores[f"eval_{GRPO_RUN}"]
         )
+    bfcl = {n: out / f"bfcl_{n}.json" for n in ("base", "sft", GRPO_RUN)}
+    if bfcl["sft"].exists() and bfcl[GRPO_RUN].exists():
+        result[f"bfcl_{GRPO_RUN}_over_sft"] = paired_bfcl_change(
+            json.loads(bfcl["sft"].read_text()), json.loads(bfcl[GRPO_RUN].read_text())
+        )
+    if f"eval_{GRPO_RUN}_wide" in scores:
+        before, after = scores["eval_sft_wide"], scores[f"eval_{GRPO_RUN}_wide"]
+        result[f"{GRPO_RUN}_over_sft_wide"] = paired_turn_gain(before, after, by_scenario=True)
+        for category in WIDE_CATEGORIES:
+            pick = {  # one category's entries: each is its own scenario there
+                name: {"per_entry": {i: e for i, e in s["per_entry"].items() if category in i}}
+                for name, s in (("before", before), ("after", after))
+            }
+            result[f"{GRPO_RUN}_over_sft_{category}"] = paired_turn_gain(
+                pick["before"], pick["after"]
+            )
     return result
 
 
@@ -334,11 +423,20 @@ def plots(out: Path) -> dict:
 
 STAGES = (
     "demos", "zero_shot", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo",
-    "bfcl_base", "bfcl_sft", "bfcl_grpo", "report", "plots",
+    "bfcl_base", "bfcl_sft", "bfcl_grpo", "eval_sft_wide", "eval_grpo_wide", "report", "plots",
 )  # fmt: skip
-"""BFCL single-turn last: no stage needs it, and the multi-turn numbers matter first."""
-STAGE_FUNCTIONS = {stage.replace("grpo", GRPO_RUN): globals()[stage] for stage in STAGES}
-"""With ``--seed N``, the GRPO stages are ``grpo_seedN``, ``eval_grpo_seedN``, ..."""
+"""The wide evaluations last: they take longest (all four categories' held-out entries) and
+the must-show numbers come from the stages before them."""
+PER_RUN = ("report", "plots")
+"""Stages without "grpo" in their names that each GRPO run has its own of."""
+STAGE_FUNCTIONS = {
+    f"{stage}_{GRPO_RUN}" if stage in PER_RUN and SEED else stage.replace("grpo", GRPO_RUN): (
+        globals()[stage]
+    )
+    for stage in STAGES
+}
+"""With ``--seed N``, the GRPO stages are ``grpo_seedN``, ``eval_grpo_seedN``, ..., and
+``report_grpo_seedN``, ``plots_grpo_seedN``; the stages before GRPO are shared."""
 if EVAL_STEP is not None:
     STAGE_FUNCTIONS = {f"eval_{GRPO_RUN}_step{EVAL_STEP}": eval_grpo_checkpoint}
 
