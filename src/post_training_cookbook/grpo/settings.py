@@ -22,7 +22,7 @@ from post_training_cookbook.runs.config import LearningRateSchedule
 from post_training_cookbook.runs.models import trainer_settings
 from post_training_cookbook.service.factory import ServiceSpec
 from post_training_cookbook.service.types import VLLMSettings, WeightSyncType
-from post_training_cookbook.trainer.types import LossConfig
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
 
 
 @dataclass(frozen=True)
@@ -96,24 +96,14 @@ class RunSettings:
     @classmethod
     def from_config(cls, config: GRPOConfig, model: ModelInfo) -> RunSettings:
         """The one place the config is cut into per-layer settings."""
-        shaping = RewardShaping(
-            max_model_length=config.max_model_length,
-            buffer_length=config.overlong_buffer_length,
-            penalty_factor=config.overlong_penalty_factor,
-        )
+        advantages = advantage_settings(config)
+        shaping = advantages.shaping
         steps = StepSettings(
             batch_size=config.batch_size,
             episodes_per_task=config.episodes_per_task,
             max_sampling_attempts=config.max_sampling_attempts,
             seed=config.seed,
-            advantages=AdvantageSettings(
-                shaping,
-                config.advantage_normalization,
-                config.overlong_masking,
-                config.turn_rewards,
-                config.turn_discount,
-                env_advantage=config.teacher is None or config.teacher.env_advantage,
-            ),
+            advantages=advantages,
             loss=loss_config_of(config),
             learning_rate=LearningRateSchedule(
                 config.learning_rate, config.num_steps, config.warmup_steps, config.lr_schedule
@@ -144,14 +134,7 @@ class RunSettings:
             val_sampling=_sampling(config, config.val_temperature),
             service=ServiceSpec(
                 model=model,
-                trainer=trainer_settings(
-                    config,
-                    memory_budget=config.memory_budget,
-                    reference_model=config.kl_beta > 0,
-                    packing=config.trainer_packing != "off",
-                    shared_prefix=config.trainer_packing == "shared_prefix",
-                    router_replay=config.router_replay,
-                ),
+                trainer=grpo_trainer_settings(config),
                 backend=config.backend,
                 generation_engine=engine,
                 num_generator_replicas=config.num_generator_replicas,
@@ -192,6 +175,35 @@ def _distill(config: GRPOConfig) -> DistillSettings | None:
         env_advantage=teacher.env_advantage,
         env_errors=config.env_errors,
         sequences_per_call=per_call,
+    )
+
+
+def advantage_settings(config: GRPOConfig) -> AdvantageSettings:
+    """How the run turns rewards into advantages: shaping, normalisation, turn rewards."""
+    shaping = RewardShaping(
+        max_model_length=config.max_model_length,
+        buffer_length=config.overlong_buffer_length,
+        penalty_factor=config.overlong_penalty_factor,
+    )
+    return AdvantageSettings(
+        shaping,
+        config.advantage_normalization,
+        config.overlong_masking,
+        config.turn_rewards,
+        config.turn_discount,
+        env_advantage=config.teacher is None or config.teacher.env_advantage,
+    )
+
+
+def grpo_trainer_settings(config: GRPOConfig) -> TrainerSettings:
+    """The trainer the run builds (a recorded batch, ``grpo/recorded_batch.py``, keeps it)."""
+    return trainer_settings(
+        config,
+        memory_budget=config.memory_budget,
+        reference_model=config.kl_beta > 0,
+        packing=config.trainer_packing != "off",
+        shared_prefix=config.trainer_packing == "shared_prefix",
+        router_replay=config.router_replay,
     )
 
 

@@ -33,6 +33,9 @@ def episode_record(episode: Episode) -> dict[str, Any]:
         "retried_env_errors": episode.retried_env_errors,
         "token_ids": episode.tokens,
         "mask": [int(bit) for bit in episode.mask],
+        # the behaviour policy's log-probabilities, so that a recorded batch
+        # (grpo/recorded_batch.py) gives the loss the step trained with
+        "sampler_logprobs": episode.sampler_logprobs,
         "versions": episode.versions,
         "segment_starts": episode.segment_starts,
         "turn_rewards": episode.turn_rewards,
