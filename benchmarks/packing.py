@@ -350,7 +350,7 @@ def main() -> None:
         f"{args.layers} layers, load {os.getloadavg()[0]:.1f}"
     )
     print(f"{'shape':20} {'mode':14} {'processed':>9} {'trained':>7} {'s/step':>7} {'trained/s':>9}"
-          f" {'peak MiB':>8} {'loss':>9} {'grad Δ':>7}  time×  memory×")  # fmt: skip
+          f" {'peak MiB':>8} {'loss':>10} {'grad Δ':>7}  time×  memory×")  # fmt: skip
     differ = False
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
@@ -376,7 +376,7 @@ def main() -> None:
                 print(
                     f"{row.shape:20} {mode:14} {row.processed_tokens:9d} {row.trained_tokens:7d} "
                     f"{row.seconds:7.2f} {row.trained_tokens / row.seconds:9.0f} "
-                    f"{row.peak_step_bytes / 2**20:8.0f} {row.loss:9.5f} {delta:7.1e}"
+                    f"{row.peak_step_bytes / 2**20:8.0f} {row.loss:10.3e} {delta:7.1e}"
                     f"{'' if same else '!'} {row.seconds / plain.seconds:5.2f}  "
                     f"{row.peak_step_bytes / max(plain.peak_step_bytes, 1):7.2f}  {row.settings}",
                     flush=True,
