@@ -10,7 +10,8 @@ not, in the order played) go through the loop's own rules: the first ``batch_siz
 informative groups (``lockstep.collect_groups``; the async loop admits no more than that),
 their samples and advantages by ``build_training_batch``. The result is checked against the
 step's line in ``metrics.jsonl`` (samples, groups, trained tokens), and refused where they
-differ.
+differ (a step whose line was never written, a run killed before it, is recorded unchecked:
+its ``run_metrics`` are empty).
 
 The file is gzip-compressed JSON (``FORMAT``, ``VERSION``): where it came from (run, step,
 the model the benchmark should load and the run's own model path, the codec), the trainer's
@@ -323,7 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(lengths)} samples of {min(lengths)}-{max(lengths)} tokens ({sum(lengths)} in all, "
         f"{trained} trained), sampler log-probabilities "
         f"{'recorded' if batch.source.sampler_logprobs_recorded else 'absent'}, "
-        f"{path.stat().st_size / 1024:.0f} KiB"
+        f"{'checked against' if batch.source.run_metrics else 'NOT checked: no step line in'} "
+        f"metrics.jsonl, {path.stat().st_size / 1024:.0f} KiB"
     )
     return 0
 

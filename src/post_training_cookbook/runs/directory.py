@@ -5,6 +5,8 @@ runs/<run_name>/
     metrics.jsonl                     one line per step (with that step's validation, if
                                       any), then one for the final validation
     rollouts/train_step_000012.jsonl  every episode of step 12: messages, reward, cause, tokens
+                                      with their mask and sampler log-probabilities (what
+                                      grpo/recorded_batch.py rebuilds the step's batch from)
     rollouts/val_step_000010.jsonl    every episode of the validation before step 10
     checkpoints/step_000010/          training checkpoint, loop_state.json, complete.json
     final_model/                      inference checkpoint: AutoModelForCausalLM.from_pretrained
