@@ -74,6 +74,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from post_training_cookbook.files import BadFileError
 from post_training_cookbook.grpo.recorded_batch import RecordedBatch, read_recorded_batch
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.trainer.packing import stream_tokens
@@ -345,6 +346,10 @@ def main() -> None:
     if args.fp32:
         common.append("--fp32")
     shapes = args.shapes or ([] if args.batches else list(SHAPES))
+    try:  # a file that is not a recorded batch of this version: say so before anything runs
+        recorded = {path: read_recorded_batch(path) for path in args.batches}
+    except BadFileError as exc:
+        sys.exit(f"error: {exc}")
     print(
         f"torch threads {torch.get_num_threads()}, SmolLM2 and hybrid shapes at "
         f"{args.layers} layers, load {os.getloadavg()[0]:.1f}"
@@ -359,10 +364,7 @@ def main() -> None:
             for i, batch in enumerate(args.batches)
         ]
         for number, (which, modes) in enumerate(variants):
-            if (
-                "--batch" in which
-                and not read_recorded_batch(which[1]).source.sampler_logprobs_recorded
-            ):
+            if "--batch" in which and not recorded[which[1]].source.sampler_logprobs_recorded:
                 child(which, ["--mode", "off", "--fill-only", *common])
             rows: dict[str, Row] = {}
             for mode in modes:
