@@ -251,15 +251,17 @@ class GRPOConfig:
     """Recompute each decoder layer's activations in backward instead of keeping them (one
     more decoder forward a step). None: on only where the default micro-batch's activations
     (2048 tokens on a CPU, 8192 on a GPU) would not fit ``memory_budget`` without it (the
-    bundled model's always do); a stream of episodes sharing a prompt that grew past the
-    micro-batch then checkpoints just enough of its layers to keep about the micro-batch's
-    memory. docs/models.md, Memory."""
+    bundled model's always do); a stream of episodes sharing a prompt that holds more tokens
+    than the padded rows of its episodes would at once then checkpoints just enough of its
+    layers to keep about their memory. docs/models.md, Memory."""
     memory_budget: float = setting(
         0.5, holds(lambda v: 0 < v <= 1, "{name} must be in (0, 1], got {value}")
     )
-    """Share of the device's free memory (after the weights load) that the activations of a
-    micro-batch may fill, where ``micro_batch_tokens`` or ``gradient_checkpointing`` is
-    None."""
+    """Share of the device's free memory (after the weights load) that a training step may
+    add, where ``micro_batch_tokens`` or ``gradient_checkpointing`` is None: the trained
+    weights' gradients and AdamW moments, and one micro-batch's activations, autocast weight
+    copies and log-probability chunk (on a CPU as the heap holds them;
+    ``trainer/memory_plan.py``, docs/performance.md)."""
     logprob_chunk_tokens: int | Literal["auto"] | None = setting("auto", at_least(1, or_none=True))
     """Trained positions whose vocabulary-sized log-softmax exists at once; a micro-batch
     with more recomputes its LM head per chunk in backward. None: a micro-batch's all at

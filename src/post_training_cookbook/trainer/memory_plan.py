@@ -1,11 +1,19 @@
 """Micro-batch size and gradient checkpointing chosen from the model's shape and the memory
 the device has free (``memory_budget``), where the settings leave them to the trainer (None).
 
-Activations kept for backward dominate a step's peak beyond the weights and optimizer
-state, and grow with the tokens of a micro-batch: every decoder layer keeps, per token, its
-MLP's four intermediate-wide tensors, its attention's inputs and outputs and its norms'
-working copies (the estimate of ``benchmarks/memory_table.py`` and ``docs/models.md``);
-with checkpointing a layer keeps only its input, and one layer's worth is rebuilt at a time.
+The budget, ``memory_budget`` × the free memory once the weights are loaded, is for what a
+training step adds to the loaded trainer (``StepFootprint``): the gradients and AdamW
+moments of the trained weights (they appear in the first step), the runtime's first-step
+share, and one micro-batch's tensors: the activations its decoder layers keep for backward
+(``layer_bytes``: per token the MLP's four intermediate-wide tensors, attention's inputs and
+outputs, the norms' inputs; with checkpointing only a layer's input, and one layer rebuilt
+at a time), autocast's bf16 copies of the weights, and one log-probability chunk's
+vocabulary-sized tensors; on a CPU as the heap holds them (``HEAP_SLACK``: glibc's heap
+keeps the holes that freed temporaries leave, 1.2-1.7× the tensors' bytes). The estimate
+was 0.9 GiB a 1k tokens for SmolLM2 against 1.3 GiB measured (issue 39), from counting
+saved tensors alone; it is now within ±15% of the measured peak on each shape of
+``benchmarks/memory_plan.py`` (docs/performance.md, "The memory plan against the resident
+set").
 
 The plan aims at the device's *target* micro-batch: on a CPU ``CPU_MICRO_BATCH_TOKENS``
 (2,048: a CPU processes a token no faster in a larger micro-batch, and at 8k tokens it was
@@ -17,10 +25,12 @@ the largest micro-batch that fits (up to ``MAX_MICRO_BATCH_TOKENS``), is how far
 stream may grow past the target to keep samples that share a prefix in one micro-batch
 (``packing.plan_packed``): splitting a group there would forward its prompt once more. A
 field the settings give is kept as given, and a given ``micro_batch_tokens`` is the bound
-too. A stream that grows past the target checkpoints as many of its decoder layers as keep
-its activations near the target's (``StreamCheckpointing``), where the plan chose no
-checkpointing: the long prompt's group then peaks under the padded layout (0.88-0.90×) at
-0.27-0.30× its time (docs/performance.md, runs 11-12).
+too. Where the plan chose no checkpointing, a shared-prefix stream larger than the padded
+rows of its samples would be at once (``padded_rows_tokens``: a stream holds its group
+whole, the padded layout as many rows as fit the target) checkpoints as many of its decoder
+layers as keep its activations near theirs (``StreamCheckpointing``): the long prompt's
+group then peaks under the padded layout (0.88-0.90×) at 0.27-0.30× its time
+(docs/performance.md, runs 11-12), and so does the hybrid group of issue 38.
 
 The log-probability chunk (``logprob_chunk_tokens="auto"``) is sized by the vocabulary: the
 trained positions whose fp32 logits fit ``LOGPROB_CHUNK_BYTES`` (forward and backward keep
@@ -35,7 +45,7 @@ import contextlib
 import functools
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +56,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from post_training_cookbook.models.loading import enable_gradient_checkpointing
+from post_training_cookbook.trainer.attention import MATH_MAX_KEYS
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +77,247 @@ class MemoryPlan:
     budget_bytes: int
     """``memory_budget`` × the device's free memory when the trainer was built."""
     bytes_per_token: int
-    """Estimated activation bytes a token keeps, with the plan's checkpointing."""
+    """Estimated bytes a token of a micro-batch adds, with the plan's checkpointing."""
 
 
-def activation_bytes_per_token(
-    model: PreTrainedModel, checkpointing: bool, activation_bytes: int
+RUNTIME_BYTES = 48 * 2**20
+"""What a trainer's first step adds beside tensors (oneDNN's kernels and caches, autograd's
+and the allocator's own structures): the bundled model's step on 32 tokens grew the resident
+set by 106-110 MiB, of which its gradients and AdamW moments are 52 MiB and the autocast
+copies of its weights 8 MiB (docs/performance.md, "The memory plan against the resident
+set"). On a CPU only: CUDA's peak (``max_memory_allocated``) counts tensors."""
+
+HEAP_SLACK_ONE_MICRO_BATCH = 1.2
+"""``HEAP_SLACK`` for a step of one micro-batch: no heap left behind by one before it."""
+HEAP_SLACK = 1.55
+"""The resident set a micro-batch's tensors take against their bytes, on a CPU. A forward
+frees as many bytes of temporaries (a norm's fp32 squares, attention's scores, casts) as it
+keeps, between the tensors it keeps, and glibc's heap grows past the holes they leave; the
+next micro-batch's tensors fit the holes of the one before only in part. Measured on the
+bundled model and SmolLM2-135M (1-8 micro-batches of 512-8,192 tokens): 1.18× for a step of
+one micro-batch, 1.45-1.69× for two or more. CUDA's caching allocator rounds blocks but does
+not take the pages of freed temporaries from the next tensors: 1.0 there."""
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """What the memory estimate reads of a micro-batch (``Trainer.micro_batch_shapes``)."""
+
+    tokens: int
+    """Positions the decoder computes: a stream's tokens, or rows × the longest row."""
+    trained: int
+    """Positions whose log-probabilities the LM head computes."""
+    keys: int
+    """The longest key length a query attends to (its sample's length)."""
+    gathered_keys: int = 0
+    """A packed stream's attention gathers each segment's path of keys and values into rows
+    (``PackedLayout.attend``) and keeps those for backward instead of the stream's own: the
+    keys of every segment (a shared prefix's once per continuation reading it). 0: padded
+    rows, which keep their own."""
+    checkpointed_layers: int = 0
+    chunk_tokens: int | None = None
+    """Its log-probability chunk (``Trainer._stream_chunk_tokens``); None: all at once."""
+
+
+@dataclass(frozen=True)
+class StepFootprint:
+    """Bytes a training step adds to the loaded trainer, term by term: what ``plan_memory``
+    fits into the budget and ``benchmarks/memory_plan.py`` compares with the measured peak.
+    Each ``*_token_bytes`` is a token's, each ``*_position_bytes`` a trained position's."""
+
+    layers: int
+    layer_token_bytes: int
+    """Kept for backward by a decoder layer that is not checkpointed (``layer_bytes``)."""
+    score_key_bytes: int
+    """A CPU's math attention (rows of up to ``MATH_MAX_KEYS`` keys) also keeps its fp32
+    softmax and its bf16 (or fp32) copy a head, and its mask, a token a layer, per key of
+    its row."""
+    kv_token_bytes: int
+    """A key's key and value, as attention keeps them (``MicroBatchShape.gathered_keys``)."""
+    checkpointed_token_bytes: int
+    """A checkpointed layer keeps its input (the residual stream)."""
+    outside_token_bytes: int
+    """The final norm's input and output, outside the layers."""
+    weight_copy_bytes: int
+    """Under autocast with fp32 weights, every decoder matmul's bf16 copy of its weight,
+    kept for the backward of the micro-batch (a frozen LoRA base's too: the input's gradient
+    needs it)."""
+    state_bytes: int
+    """Gradients and AdamW's moments (and bf16's fp32 masters) of the trained weights: they
+    appear during the first step, after the budget was measured."""
+    head_position_bytes: int
+    """The trained positions' gathered hidden states and what the head keeps of each."""
+    chunk_position_bytes: int
+    """The vocabulary-sized fp32 tensors of one log-probability chunk (logits, log-softmax,
+    probabilities, their gradient), a position of the chunk."""
+    chunk_tokens: int | None
+    math_attention: bool
+    """The trainer's CPU attention: short rows take the math path (``attention.py``)."""
+    heap_slack: bool
+    """Resident set, not tensor bytes: a CPU's heap (``HEAP_SLACK``)."""
+
+    def micro_batch_bytes(self, batch: MicroBatchShape) -> int:
+        """Tensor bytes alive at a micro-batch's peak (the start of its backward)."""
+        scores = self.score_key_bytes * batch.keys if self._math_path(batch.keys) else 0
+        per_layer = batch.tokens * (self.layer_token_bytes + scores)
+        if batch.gathered_keys:  # the gathered paths' keys and values, not the stream's own
+            per_layer += (batch.gathered_keys - batch.tokens) * self.kv_token_bytes
+        checkpointed = min(batch.checkpointed_layers, self.layers)
+        # A checkpointed layer keeps its input; one is rebuilt whole at a time in backward.
+        rebuilt = 1 if checkpointed else 0
+        kept = (self.layers - checkpointed + rebuilt) * per_layer + batch.tokens * (
+            checkpointed * self.checkpointed_token_bytes + self.outside_token_bytes
+        )
+        chunk = (
+            batch.trained if batch.chunk_tokens is None else min(batch.trained, batch.chunk_tokens)
+        )
+        head = batch.trained * self.head_position_bytes + chunk * self.chunk_position_bytes
+        return kept + head + self.weight_copy_bytes
+
+    def step_bytes(self, micro_batches: Sequence[MicroBatchShape]) -> int:
+        """The estimated peak a step adds to the loaded trainer: the training state, the
+        runtime's first-step share, and the largest micro-batch as the heap holds it."""
+        if not micro_batches:
+            return self.state_bytes
+        largest = max(self.micro_batch_bytes(batch) for batch in micro_batches)
+        return self.state_bytes + self._runtime() + int(self._slack(len(micro_batches)) * largest)
+
+    def token_bytes(self, checkpointing: bool) -> int:
+        """A token of a padded micro-batch of short rows (the most a token keeps: every
+        position trained, the math path's longest rows), with or without checkpointing."""
+        keys = MATH_MAX_KEYS if self.math_attention else 0
+        per_layer = self.layer_token_bytes + (self.score_key_bytes * keys if keys else 0)
+        layers = (
+            self.layers * self.checkpointed_token_bytes + per_layer
+            if checkpointing
+            else self.layers * per_layer
+        )
+        return layers + self.outside_token_bytes + self.head_position_bytes
+
+    def tokens_fitting(self, budget: int, checkpointing: bool) -> int:
+        """The largest micro-batch (of several) whose step fits ``budget`` bytes."""
+        chunk = self.chunk_tokens or MAX_LOGPROB_CHUNK_TOKENS
+        fixed = self.weight_copy_bytes + chunk * self.chunk_position_bytes
+        room = (budget - self.state_bytes - self._runtime()) / self._slack(2) - fixed
+        return max(0, int(room // self.token_bytes(checkpointing)))
+
+    def _math_path(self, keys: int) -> bool:
+        return self.math_attention and keys <= MATH_MAX_KEYS
+
+    def _runtime(self) -> int:
+        return RUNTIME_BYTES if self.heap_slack else 0  # (CUDA's peak counts tensors only)
+
+    def _slack(self, micro_batches: int) -> float:
+        if not self.heap_slack:
+            return 1.0
+        return HEAP_SLACK_ONE_MICRO_BATCH if micro_batches == 1 else HEAP_SLACK
+
+
+def layer_bytes(
+    config: Any, activation_bytes: int, residual_bytes: int, norms_trained: bool, lora_rank: int
 ) -> int:
-    """Bytes a token's activations keep for backward across the decoder (an estimate)."""
-    config = model.config.get_text_config()
+    """Bytes a token keeps for backward in a decoder layer (Llama/Qwen-shaped: two RMSNorms,
+    attention, a gated MLP), each term a tensor autograd saves:
+
+    - each norm: its input, the residual stream (``residual_bytes``: the weights' dtype), and
+      its output as the projections read it (bf16 under autocast: cast once,
+      ``precision.cast_norm_outputs_once``); where the norm's weight trains, also the
+      normalised input its gradient needs;
+    - attention: the rotated queries and keys and the values, its output and the output
+      projection's contiguous input (3 query-wide, 2 KV-wide tensors), and SDPA's fp32
+      log-sum-exp a head;
+    - the MLP: gate, its activation, up, and their product (4 intermediate-wide tensors);
+    - LoRA: each adapted projection's rank-wide A output (its input is the projection's).
+
+    Checked against the bytes ``saved_tensors_hooks`` sees in one forward, less the weight
+    copies and the head's: SmolLM2-135M with LoRA, about 21.9 KiB a token a layer measured,
+    23.1 estimated; the bundled model, full weight, about 11.5 and 12.0 (docs/performance.md)."""
     hidden, mlp = config.hidden_size, _mlp_width(config)
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    query = config.num_attention_heads * head_dim
-    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
-    per_layer = activation_bytes * (4 * mlp + hidden + 3 * query + 2 * kv) + 4 * 6 * hidden
-    layers = config.num_hidden_layers
-    if checkpointing:  # each layer's input, and one layer rebuilt at a time
-        return layers * activation_bytes * hidden + per_layer
-    return layers * per_layer
+    heads = config.num_attention_heads
+    query, kv = heads * _head_dim(config), kv_width(config)
+    norm = residual_bytes * hidden + activation_bytes * hidden
+    if norms_trained:
+        norm += residual_bytes * hidden
+    attention = activation_bytes * (3 * query + 2 * kv) + 4 * heads
+    lora = activation_bytes * lora_rank * len(_LORA_PROJECTIONS)
+    return 2 * norm + attention + activation_bytes * 4 * mlp + lora
+
+
+def _head_dim(config: Any) -> int:
+    return int(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+
+
+def kv_width(config: Any) -> int:
+    """A token's keys (or values) across the KV heads."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return int(heads * _head_dim(config))
+
+
+_LORA_PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def step_footprint(
+    model: PreTrainedModel,
+    device: torch.device,
+    *,
+    activation_bytes: int,
+    trained_parameters: int,
+    lora_rank: int,
+    chunk_tokens: int | None,
+) -> StepFootprint:
+    """The model's ``StepFootprint`` as the trainer runs it: ``activation_bytes`` 2 under
+    autocast or with bf16 weights, ``trained_parameters`` (the adapter's with LoRA, else
+    every weight), ``lora_rank`` 0 for full weight."""
+    config = model.config.get_text_config()
+    weight_bytes = next(model.parameters()).element_size()
+    hidden, heads, vocab = config.hidden_size, config.num_attention_heads, config.vocab_size
+    autocast_copies = activation_bytes < weight_bytes
+    decoder_weights = sum(
+        module.weight.numel()
+        for module in model.get_decoder().modules()
+        if isinstance(module, torch.nn.Linear)
+    )
+    full_weight = lora_rank == 0
+    # fp32: the gradient and two moments; bf16: the gradient, the fp32 master and moments.
+    state = trained_parameters * (4 + 8 if weight_bytes == 4 else 2 + 4 + 8)
+    return StepFootprint(
+        layers=config.num_hidden_layers,
+        layer_token_bytes=layer_bytes(
+            config, activation_bytes, weight_bytes, norms_trained=full_weight, lora_rank=lora_rank
+        ),
+        score_key_bytes=heads * (4 + activation_bytes) + 1,  # + the boolean mask
+        kv_token_bytes=2 * activation_bytes * kv_width(config),
+        checkpointed_token_bytes=weight_bytes * hidden,
+        outside_token_bytes=2 * weight_bytes * hidden,
+        weight_copy_bytes=activation_bytes * decoder_weights if autocast_copies else 0,
+        state_bytes=state,
+        # The gathered hidden state, and the head's kept fp32 row (its input's checkpoint, or
+        # the frozen head's gradient).
+        head_position_bytes=2 * 4 * hidden,
+        # Logits, log-softmax (or probabilities) and their products/gradients: four fp32
+        # vocabulary-wide rows a position at once.
+        chunk_position_bytes=4 * 4 * vocab,
+        chunk_tokens=chunk_tokens,
+        math_attention=device.type == "cpu",
+        heap_slack=device.type == "cpu",
+    )
+
+
+def trained_parameter_count(
+    model: PreTrainedModel, lora_rank: int, lora_targets: Sequence[str]
+) -> int:
+    """Parameters the trainer will train: every one for full weight (``lora_rank`` 0), else
+    the adapter's rank × (in + out) for each targeted linear (before peft injects it)."""
+    if lora_rank == 0:
+        return sum(p.numel() for p in model.parameters())
+    targets = set(lora_targets)
+    return sum(
+        lora_rank * (module.in_features + module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
 
 
 def _mlp_width(config: Any) -> int:
@@ -116,22 +351,18 @@ def free_bytes(device: torch.device) -> int:
 
 
 def plan_memory(
-    model: PreTrainedModel,
+    footprint: StepFootprint,
     device: torch.device,
     *,
     memory_budget: float,
     micro_batch_tokens: int | None,
     gradient_checkpointing: bool | None,
-    activation_bytes: int,
 ) -> MemoryPlan:
     """The plan for the fields left None (see the module docstring); logged once."""
     budget = int(memory_budget * free_bytes(device))
 
-    def per_token(checkpointing: bool) -> int:
-        return activation_bytes_per_token(model, checkpointing, activation_bytes)
-
     def fitting(checkpointing: bool) -> int:
-        return budget // per_token(checkpointing)
+        return footprint.tokens_fitting(budget, checkpointing)
 
     def clamped(tokens: int, ceiling: int) -> int:
         return max(MIN_MICRO_BATCH_TOKENS, min(ceiling, tokens))
@@ -147,14 +378,16 @@ def plan_memory(
         bound = max(tokens, clamped(fitting(checkpointing), MAX_MICRO_BATCH_TOKENS))
     else:
         tokens = bound = micro_batch_tokens
-    plan = MemoryPlan(tokens, bound, checkpointing, budget, per_token(checkpointing))
+    per_token = footprint.token_bytes(checkpointing)
+    plan = MemoryPlan(tokens, bound, checkpointing, budget, per_token)
     log.info(
         "trainer: micro_batch_tokens=%d%s (streams sharing a prefix up to %d), "
         "gradient_checkpointing=%s%s (memory_budget %.2f of %.1f GiB free on %s; ~%.1f MiB "
-        "of activations a 1k tokens)",
+        "a 1k tokens, %.0f MiB of training state)",
         tokens, "" if micro_batch_tokens is None else " (as set)", bound, checkpointing,
         "" if gradient_checkpointing is None else " (as set)", memory_budget,
-        budget / memory_budget / 2**30, device, plan.bytes_per_token * 1000 / 2**20,
+        budget / memory_budget / 2**30, device, per_token * 1000 / 2**20,
+        footprint.state_bytes / 2**20,
     )  # fmt: skip
     return plan
 
@@ -173,13 +406,12 @@ class Batching:
 
 
 def resolve_batching(
-    model: PreTrainedModel,
+    footprint: StepFootprint,
     device: torch.device,
     *,
     memory_budget: float,
     micro_batch_tokens: int | None,
     gradient_checkpointing: bool | None,
-    activation_bytes: int,
     agree: Callable[[int, int, bool], tuple[int, int, bool]] | None = None,
 ) -> Batching:
     """The settings' values, with the plan's where they are None (``plan_memory``).
@@ -189,7 +421,7 @@ def resolve_batching(
     if micro_batch_tokens is not None and gradient_checkpointing is not None:
         return Batching(micro_batch_tokens, micro_batch_tokens, gradient_checkpointing, planned)
     plan = plan_memory(
-        model, device, memory_budget=memory_budget, activation_bytes=activation_bytes,
+        footprint, device, memory_budget=memory_budget,
         micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
     )  # fmt: skip
     values = (plan.micro_batch_tokens, plan.shared_stream_tokens, plan.gradient_checkpointing)
@@ -213,17 +445,18 @@ def use_checkpointing(
     model: PreTrainedModel, batching: Batching, shared_prefix_packing: bool, sharded: bool
 ) -> StreamCheckpointing | None:
     """Turn on ``model``'s gradient checkpointing where ``batching`` says; else, where the plan
-    chose none, return the checkpointing of the shared-prefix streams kept past
-    ``micro_batch_tokens``. Not sharded: ranks holding different streams would differ in
-    their collectives' order."""
+    chose none, return the checkpointing of shared-prefix streams larger than the padded
+    rows of their samples would be (``padded_rows_tokens``). Not sharded: ranks holding
+    different streams would differ in their collectives' order."""
     if batching.gradient_checkpointing:
         enable_gradient_checkpointing(model)
         return None
-    streams_may_grow = (
-        shared_prefix_packing and batching.shared_stream_tokens > batching.micro_batch_tokens
-    )
     planned_none = batching.checkpointing_planned and not batching.gradient_checkpointing
-    return StreamCheckpointing(model) if planned_none and streams_may_grow and not sharded else None
+    return (
+        StreamCheckpointing(model)
+        if planned_none and shared_prefix_packing and not sharded
+        else None
+    )
 
 
 STREAM_ACTIVATION_FACTOR = 1.2
@@ -234,9 +467,22 @@ a layer in its 3,152-token stream, 24.8 in a padded 2,144-token row (docs/perfor
 run 10)."""
 
 
+def padded_rows_tokens(longest: int, micro_batch_tokens: int) -> int:
+    """Tokens a padded micro-batch of samples up to ``longest`` tokens holds at once: as many
+    rows of ``longest`` as ``micro_batch_tokens`` holds, one at least (``logprobs.micro_batches``).
+
+    A shared-prefix stream's target (``layers_to_checkpoint``): the stream of a group holds
+    the group at once, while the padded layout holds only the rows that fit. Against the
+    micro-batch's tokens instead, a group of 8 completions of 128 after a 1,000-token prompt
+    (a stream of 2,024 tokens, within a 2,048-token target) was kept whole and peaked 1.49×
+    the padded step, which held one 1,128-token row at a time (issue 38, docs/performance.md)."""
+    return longest * max(1, micro_batch_tokens // longest)
+
+
 def layers_to_checkpoint(num_layers: int, stream_tokens: int, target_tokens: int) -> int:
     """Decoder layers to checkpoint so that a shared-prefix stream of ``stream_tokens`` keeps
-    about the activations ``target_tokens`` of padded rows keep without checkpointing: the
+    about the activations ``target_tokens`` of padded rows keep without checkpointing
+    (the trainer's target: ``padded_rows_tokens`` of the stream's samples): the
     layers kept whole hold ``STREAM_ACTIVATION_FACTOR`` · stream / L a layer, so
     L · (1 − target / (factor · stream)) of them are checkpointed, rounded up, and one more
     for the layer rebuilt in backward; 0 within the target."""

@@ -76,9 +76,14 @@ from post_training_cookbook.trainer.lora import (
 )
 from post_training_cookbook.trainer.losses import get_loss_fn
 from post_training_cookbook.trainer.memory_plan import (
+    MIN_LOGPROB_CHUNK_TOKENS,
+    MicroBatchShape,
     layers_to_checkpoint,
+    padded_rows_tokens,
     resolve_batching,
     resolve_logprob_chunk_tokens,
+    step_footprint,
+    trained_parameter_count,
     use_checkpointing,
 )
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
@@ -197,10 +202,15 @@ class Trainer:
         )
         self.betas, self.weight_decay, self.max_grad_norm = betas, weight_decay, max_grad_norm
         self.logprob_chunk_tokens = resolve_logprob_chunk_tokens(base, logprob_chunk_tokens)
+        adapter_rank = lora_rank if use_lora else 0  # the memory estimate's: 0 is full weight
+        self.footprint = step_footprint(
+            base, self.device, activation_bytes=2 if autocast_bf16 or precision == "bf16" else 4,
+            trained_parameters=trained_parameter_count(base, adapter_rank, lora_target_modules),
+            lora_rank=adapter_rank, chunk_tokens=self.logprob_chunk_tokens,
+        )  # fmt: skip
         self.batching = resolve_batching(
-            base, self.device, memory_budget=memory_budget,
+            self.footprint, self.device, memory_budget=memory_budget,
             micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
-            activation_bytes=2 if autocast_bf16 or self.precision == "bf16" else 4,
             agree=self._shards.agree if self._shards is not None else None,
         )  # fmt: skip
         scorer = functools.partial(
@@ -484,15 +494,65 @@ class Trainer:
             return contextlib.nullcontext()
         return self._replay.replaying(batch.routed_experts)
 
-    def _checkpointing_for(self, batch: MicroBatch) -> contextlib.AbstractContextManager[None]:
-        """Checkpointing of some layers for a stream of samples sharing a prefix grown past
-        ``micro_batch_tokens`` (``memory_plan.layers_to_checkpoint``); nothing for any other
-        micro-batch, a lone sample longer than it included (as padded rows do)."""
+    @contextlib.contextmanager
+    def _checkpointing_for(self, batch: MicroBatch) -> Iterator[None]:
+        """For a stream of samples sharing a prefix larger than the padded rows of its
+        samples would hold at once (``memory_plan.padded_rows_tokens``): some of its layers
+        checkpointed (``layers_to_checkpoint``), and its log-probabilities chunked by the
+        trained positions those rows would hold (``_stream_chunk_tokens``). Nothing for any
+        other micro-batch, a lone sample longer than the micro-batch included (as padded
+        rows do)."""
+        if self._stream_checkpointing is None:
+            yield
+            return
+        chunk, kept = self._stream_chunk_tokens(batch), self._scorer.chunk_tokens
+        self._scorer.chunk_tokens = chunk
+        try:
+            with self._stream_checkpointing.first(self._stream_layers_checkpointed(batch)):
+                yield
+        finally:
+            self._scorer.chunk_tokens = kept
+
+    def _stream_layers_checkpointed(self, batch: MicroBatch) -> int:
         if self._stream_checkpointing is None or batch.packed is None or len(batch.indices) < 2:
-            return contextlib.nullcontext()
-        layers = self._stream_checkpointing.layers
-        count = layers_to_checkpoint(len(layers), batch.packed.num_tokens, self.micro_batch_tokens)
-        return self._stream_checkpointing.first(count)
+            return 0
+        target = padded_rows_tokens(batch.input_ids.shape[1], self.micro_batch_tokens)
+        layers = len(self._stream_checkpointing.layers)
+        return layers_to_checkpoint(layers, batch.packed.num_tokens, target)
+
+    def _stream_chunk_tokens(self, batch: MicroBatch) -> int | None:
+        """The log-probability chunk of a micro-batch: the trainer's, or for a stream whose
+        layers are checkpointed the trained positions of the padded rows of its samples
+        (``MIN_LOGPROB_CHUNK_TOKENS`` at least), where fewer. A chunk's vocabulary-sized
+        tensors are a step's largest after the activations: the hybrid group of issue 38,
+        all 4 layers checkpointed, still peaked 1.03× the padded step with chunks of 512
+        positions against a padded row's 128 (docs/performance.md)."""
+        chunk = self.logprob_chunk_tokens
+        if self._stream_layers_checkpointed(batch) == 0:
+            return chunk
+        rows = max(1, self.micro_batch_tokens // batch.input_ids.shape[1])
+        per_sample = int(batch.trained.sum(dim=1).max())
+        padded = max(MIN_LOGPROB_CHUNK_TOKENS, rows * per_sample)
+        return padded if chunk is None else min(chunk, padded)
+
+    def micro_batch_shapes(self, samples: Sequence[TrainingSample]) -> list[MicroBatchShape]:
+        """What the memory estimate reads of each micro-batch ``samples`` would take
+        (``self.footprint.step_bytes`` of them: the estimated peak of their step)."""
+        every = self.footprint.layers if self.gradient_checkpointing else 0
+        shapes = []
+        for batch in self._micro_batches(samples):
+            segments = batch.packed.segments if batch.packed is not None else ()
+            shapes.append(
+                MicroBatchShape(
+                    tokens=(batch.packed or batch).input_ids.numel(),
+                    trained=int(batch.trained.sum()),
+                    keys=batch.input_ids.shape[1],
+                    gathered_keys=sum(len(segment.keys) for segment in segments),
+                    checkpointed_layers=every or self._stream_layers_checkpointed(batch),
+                    chunk_tokens=self._stream_chunk_tokens(batch),
+                )
+            )
+        return shapes
 
     def _micro_batches(self, samples: Sequence[TrainingSample]) -> Iterator[MicroBatch]:
         budget, mode, shared = self.micro_batch_tokens, self.packing_mode, self.shared_stream_tokens
