@@ -46,6 +46,16 @@ def test_checkpointing_keeps_less_than_every_layer_does() -> None:
     assert footprint(model, activation_bytes=2).token_bytes(checkpointing=False) < full
 
 
+def test_a_full_weight_kl_reference_counts_against_the_budget() -> None:
+    """The reference is copied from the weights after the free memory was read."""
+    model = tiny_model("llama")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with_reference = step_footprint(model, CPU, activation_bytes=4, lora_rank=0,
+                                    trained_parameters=trained_parameter_count(model, 0, ()),
+                                    chunk_tokens=None, reference_copy=True)  # fmt: skip
+    assert with_reference.state_bytes - footprint(model).state_bytes == weights
+
+
 def plan(model: transformers.PreTrainedModel, device: torch.device = CPU) -> memory_plan.MemoryPlan:
     return plan_memory(footprint(model, device), device, memory_budget=0.5,
                        micro_batch_tokens=None, gradient_checkpointing=None)  # fmt: skip
@@ -265,7 +275,7 @@ print(json.dumps({
 )
 def test_a_memory_budget_that_forces_splitting_is_never_exceeded() -> None:
     """The bundled model's group (a 2,816-token shared-prefix stream, 8,192 tokens padded),
-    full weight, given 268 MiB (a quarter of 1 GiB free): the plan checkpoints and splits
+    full weight, given 256 MiB (a quarter of 1 GiB free): the plan checkpoints and splits
     the group, and the step's peak resident set above the built trainer, measured in a
     fresh process (its heap as a real run's), stays within the budget."""
     child = subprocess.run(

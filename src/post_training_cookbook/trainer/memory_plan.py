@@ -144,7 +144,8 @@ class StepFootprint:
     needs it)."""
     state_bytes: int
     """Gradients and AdamW's moments (and bf16's fp32 masters) of the trained weights: they
-    appear during the first step, after the budget was measured."""
+    appear during the first step, after the budget was measured (so does a full-weight KL
+    reference's copy of the weights, counted here too)."""
     head_position_bytes: int
     """The trained positions' gathered hidden states and what the head keeps of each."""
     chunk_position_bytes: int
@@ -266,10 +267,13 @@ def step_footprint(
     trained_parameters: int,
     lora_rank: int,
     chunk_tokens: int | None,
+    reference_copy: bool = False,
 ) -> StepFootprint:
     """The model's ``StepFootprint`` as the trainer runs it: ``activation_bytes`` 2 under
     autocast or with bf16 weights, ``trained_parameters`` (the adapter's with LoRA, else
-    every weight), ``lora_rank`` 0 for full weight."""
+    every weight), ``lora_rank`` 0 for full weight. ``reference_copy``: a full-weight KL
+    reference is copied from the weights after the free memory was read, so its bytes are
+    the budget's too."""
     config = model.config.get_text_config()
     weight_bytes = next(model.parameters()).element_size()
     hidden, heads, vocab = config.hidden_size, config.num_attention_heads, config.vocab_size
@@ -282,6 +286,8 @@ def step_footprint(
     full_weight = lora_rank == 0
     # fp32: the gradient and two moments; bf16: the gradient, the fp32 master and moments.
     state = trained_parameters * (4 + 8 if weight_bytes == 4 else 2 + 4 + 8)
+    if reference_copy:
+        state += sum(p.numel() * p.element_size() for p in model.parameters())
     return StepFootprint(
         layers=config.num_hidden_layers,
         layer_token_bytes=layer_bytes(

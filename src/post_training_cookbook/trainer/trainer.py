@@ -204,9 +204,11 @@ class Trainer:
         self.logprob_chunk_tokens = resolve_logprob_chunk_tokens(base, logprob_chunk_tokens)
         adapter_rank = lora_rank if use_lora else 0  # the memory estimate's: 0 is full weight
         self.footprint = step_footprint(
-            base, self.device, activation_bytes=2 if autocast_bf16 or precision == "bf16" else 4,
+            base, self.device,
+            activation_bytes=2 if autocast_bf16 or self.precision == "bf16" else 4,
             trained_parameters=trained_parameter_count(base, adapter_rank, lora_target_modules),
             lora_rank=adapter_rank, chunk_tokens=self.logprob_chunk_tokens,
+            reference_copy=reference_model and not use_lora,
         )  # fmt: skip
         self.batching = resolve_batching(
             self.footprint, self.device, memory_budget=memory_budget,
