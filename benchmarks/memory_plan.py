@@ -25,7 +25,8 @@ token trained), in padded rows (``trainer_packing="off"``) and as a shared-prefi
   384 + 128, in micro-batches of 1,024 tokens (given: the plan's 2,048 would put the padded
   layout at ~3 GiB resident on a 2-core, shared machine).
 
-The ratio column is estimate / measured; the plan holds within ±15% on each shape.
+The ratio column is estimate / measured (issue 39's goal: within ±15%; docs/performance.md
+gives the last run's, and which shapes fall outside).
 Step times are not printed: peaks do not depend on the machine's load, times do.
 """
 

@@ -11,9 +11,9 @@ at a time), autocast's bf16 copies of the weights, and one log-probability chunk
 vocabulary-sized tensors; on a CPU as the heap holds them (``HEAP_SLACK``: glibc's heap
 keeps the holes that freed temporaries leave, 1.2-1.7× the tensors' bytes). The estimate
 was 0.9 GiB a 1k tokens for SmolLM2 against 1.3 GiB measured (issue 39), from counting
-saved tensors alone; it is now within ±15% of the measured peak on each shape of
-``benchmarks/memory_plan.py`` (docs/performance.md, "The memory plan against the resident
-set").
+saved tensors alone; on the shapes of ``benchmarks/memory_plan.py`` it now reads 1.01-1.20×
+the measured peak, over rather than under (docs/performance.md, "The memory plan against
+the resident set", says which shapes fall outside ±15%).
 
 The plan aims at the device's *target* micro-batch: on a CPU ``CPU_MICRO_BATCH_TOKENS``
 (2,048: a CPU processes a token no faster in a larger micro-batch, and at 8k tokens it was
