@@ -6,8 +6,10 @@ The real worker and verifiers' own envs: tests/test_verifiers.py (heavy)."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,56 @@ def test_episodes_get_the_rollouts_reward_and_a_failed_rollout_is_an_env_error(f
         stray = Task(prompt="not from the taskset")
         with pytest.raises(Exception, match="verifiers_task"):
             env_factory.score(stray, [])
+
+
+def test_at_most_max_concurrent_agents_rollouts_run_at_once(fake_worker):
+    """Each verifiers rollout starts a harness program (~90 MB): a batch of 64 episodes at once
+    took gigabytes, so ``max_concurrent_agents`` bounds the rollouts in flight."""
+    with VerifiersEnvs("fake", python=sys.executable, max_concurrent_agents=2) as env_factory:
+        in_flight, peak = 0, 0
+        request = env_factory.worker.request
+        lock = threading.Lock()
+
+        def counted(op, **fields):
+            nonlocal in_flight, peak
+            future = request(op, **fields)
+            if op == "run":
+                with lock:
+                    in_flight += 1
+                    peak = max(peak, in_flight)
+
+                def ended(_):
+                    nonlocal in_flight
+                    with lock:
+                        in_flight -= 1
+
+                future.add_done_callback(ended)
+            return future
+
+        env_factory.worker.request = counted  # type: ignore[method-assign]
+        result = evaluate(
+            BUNDLED_MODEL_ID, env_factory.tasks()[:2], env_factory, 4, runs_dir=None,
+            max_turns=2, max_tokens_per_turn=8,
+        )  # fmt: skip
+        assert result.num_episodes == 8
+        assert peak == 2, peak
+
+
+def test_fact_lookups_world_and_questions_are_the_tool_use_games():
+    """tests/verifiers_envs/fact_lookup plays the tool-use game as a verifiers taskset: its
+    world.json must be the game's world and questions (split, level, answer), or the bundled
+    model, fine-tuned on the game, would be measured on something else."""
+    from post_training_cookbook.envs.tool_use_game import (
+        TOOL_USE_GAME_TRAIN_TASKS,
+        TOOL_USE_GAME_VAL_TASKS,
+        default_world,
+    )
+
+    world_file = Path(__file__).parent / "verifiers_envs/fact_lookup/fact_lookup/servers/world.json"
+    world = json.loads(world_file.read_text())
+    assert world["facts"] == default_world().facts
+    for split, tasks in (("train", TOOL_USE_GAME_TRAIN_TASKS), ("val", TOOL_USE_GAME_VAL_TASKS)):
+        expected = [
+            {"prompt": t.prompt, "answer": t.target, "level": t.metadata["level"]} for t in tasks
+        ]
+        assert world["tasks"][split] == expected

@@ -106,7 +106,9 @@ class VerifiersEnvs(AgentEnvs):
     caps it); ``uv``: let verifiers prepare its harness program with ``uv sync`` (needs uv and
     an index) rather than run it with the venv's interpreter; ``worker_env``: environment
     variables for the worker, over this process's. The worker starts here, so that a missing
-    venv or a taskset that does not load fails before any model loads."""
+    venv or a taskset that does not load fails before any model loads.
+    ``max_concurrent_agents`` bounds the rollouts running at once (in each event loop): each
+    starts verifiers' harness program, a Python process of ~90 MB."""
 
     def __init__(
         self,
@@ -141,6 +143,18 @@ class VerifiersEnvs(AgentEnvs):
         env = {**os.environ, **(worker_env or {})}
         self.worker = _Worker(self.python, worker_config, env, start_timeout_s)
         self._tasks: list[Task] | None = None
+        self._rollout_slots: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    def rollout_slots(self) -> asyncio.Semaphore:
+        """The running loop's bound on rollouts at once: the rollouts are coroutines, which
+        ``AgentEnvs``' thread pool (its bound on sync agents) never sees."""
+        loop = asyncio.get_running_loop()
+        if loop not in self._rollout_slots:
+            live = {known: slots for known, slots in self._rollout_slots.items()
+                    if not known.is_closed()}  # fmt: skip
+            self._rollout_slots = live
+            self._rollout_slots[loop] = asyncio.Semaphore(self.max_concurrent_agents)
+        return self._rollout_slots[loop]
 
     def __call__(self, task: Task) -> VerifiersEnv:
         return VerifiersEnv(self)
@@ -206,7 +220,8 @@ class VerifiersEnv(AgentEnv):
                 raise VerifiersError(f"the verifiers rollout failed ({stop}): {said}")
             return float(answer["reward"])
 
-        return await _run_agent(self.envs, base_url, api_key, task, agent=rollout)
+        async with self.envs.rollout_slots():  # waiting for a slot is not the rollout's time
+            return await _run_agent(self.envs, base_url, api_key, task, agent=rollout)
 
     def episode_metrics(self) -> dict[str, float]:
         if self.rollout is None:

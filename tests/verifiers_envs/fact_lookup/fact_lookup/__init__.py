@@ -1,0 +1,3 @@
+from fact_lookup.taskset import FactLookupTaskset
+
+__all__ = ["FactLookupTaskset"]
