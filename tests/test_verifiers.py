@@ -212,6 +212,7 @@ def test_glossary_trains_two_grpo_steps_and_evaluates_with_its_rubrics_reward(
 # ---------------------------------------------------------------- fact_lookup: what GRPO needs
 
 
+@pytest.mark.timeout(1200)  # 16 rollouts, each a python program; 600 s ran out at load 7-11
 def test_the_bundled_model_plays_fact_lookup_with_reward_variance_for_grpo(worker_env):
     """fact_lookup (the tool-use game's questions in verifiers, served by a shared MCP
     toolset) is a format the bundled model knows: sampled at T = 1 it calls ``lookup`` and is
