@@ -452,6 +452,23 @@ def test_the_paired_bfcl_change_compares_the_same_items_from_the_stage_json():
     assert change["se"] > 0 and change["change_in_se"] < 0
 
 
+def test_a_restored_grpo_run_is_scored_from_its_newest_checkpoint(tmp_path):
+    """``carry.py restore`` rebuilds a GRPO run folder with checkpoints only: the stages
+    that score the GRPO model take its newest checkpoint there, the final model elsewhere."""
+    recipe = _multi_turn_recipe()
+    run = tmp_path / recipe.GRPO_RUN
+    with pytest.raises(FileNotFoundError, match="neither a final model nor a checkpoint"):
+        recipe.grpo_model(tmp_path)
+    for step in (9, 12):
+        (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step:06d}" / "loop_state.json").write_text(
+            json.dumps({"step": step})
+        )
+    assert recipe.grpo_model(tmp_path) == (str(run), 12)
+    (run / "final_model").mkdir()
+    assert recipe.grpo_model(tmp_path) == (str(run), None)
+
+
 def test_demonstrations_of_the_ground_truth_carry_each_entrys_tools(tmp_path):
     """The env's tools depend on the entry, so they are read after a reset: an SFT
     conversation without them would teach calls to tools its prompt never shows."""

@@ -56,6 +56,8 @@ def save(out: Path, docs: Path) -> None:
             shutil.copy2(checkpoint / name, docs / ADAPTER / name)
     for run in grpo_runs(out):
         shutil.copy2(run / "config.yaml", docs / f"{run.name}_config.yaml")
+        for earlier in run.glob("config.before_*.yaml"):  # a resume that changed a setting
+            shutil.copy2(earlier, docs / f"{run.name}_{earlier.name}")
         shutil.copy2(run / "metrics.jsonl", docs / f"{run.name}_metrics.jsonl")
         checkpoint = newest_checkpoint(run)
         if checkpoint is None:

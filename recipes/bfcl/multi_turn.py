@@ -36,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from carry import newest_checkpoint
 from qwen_coder import (
     QWEN_CODEC,
     TOOL_CALL_TAGS,
@@ -150,12 +151,12 @@ def _multi_turn(
     }
 
 
-def _bfcl(model: str, out: Path, label: str) -> dict:
+def _bfcl(model: str, out: Path, label: str, step: int | None = None) -> dict:
     from post_training_cookbook.evaluation import evaluate
 
     result = evaluate(
         model, benchmark=BFCL_CATEGORIES, limit=BFCL_LIMIT, codec=QWEN_CODEC,
-        max_tokens_per_turn=256, label=f"bfcl_{label}", runs_dir=out / "evals",
+        max_tokens_per_turn=256, label=f"bfcl_{label}", runs_dir=out / "evals", step=step,
     )  # fmt: skip
     assert result.benchmark is not None
     score = result.benchmark
@@ -276,13 +277,29 @@ def grpo(out: Path) -> dict:
     return {"run_dir": str(run.path), "final_model": str(run.final_model_dir)}
 
 
+def grpo_model(out: Path) -> tuple[str, int | None]:
+    """The GRPO run's final model, or, in a run folder that ``carry.py restore`` rebuilt
+    (checkpoints only), its newest checkpoint: the same weights for a finished run."""
+    run = out / GRPO_RUN
+    if (run / "final_model").is_dir():
+        return str(run), None
+    import json
+
+    checkpoint = newest_checkpoint(run)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run} has neither a final model nor a checkpoint")
+    return str(run), json.loads((checkpoint / "loop_state.json").read_text())["step"]
+
+
 def eval_grpo(out: Path) -> dict:
-    return _multi_turn(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN, "held_out")
+    model, step = grpo_model(out)
+    return _multi_turn(model, out, GRPO_RUN, "held_out", step=step)
 
 
 def eval_grpo_wide(out: Path) -> dict:
-    model = str(out / GRPO_RUN / "final_model")
-    return _multi_turn(model, out, f"{GRPO_RUN}_wide", "held_out", categories=WIDE_CATEGORIES)
+    model, step = grpo_model(out)
+    label = f"{GRPO_RUN}_wide"
+    return _multi_turn(model, out, label, "held_out", step=step, categories=WIDE_CATEGORIES)
 
 
 EVAL_STEP = int(sys.argv[sys.argv.index("--eval-step") + 1]) if "--eval-step" in sys.argv else None
@@ -296,7 +313,8 @@ def eval_grpo_checkpoint(out: Path) -> dict:
 
 
 def bfcl_grpo(out: Path) -> dict:
-    return _bfcl(str(out / GRPO_RUN / "final_model"), out, GRPO_RUN)
+    model, step = grpo_model(out)
+    return _bfcl(model, out, GRPO_RUN, step=step)
 
 
 def paired_turn_gain(before: dict, after: dict, by_scenario: bool = False) -> dict:
