@@ -218,7 +218,7 @@ def test_the_bundled_model_plays_fact_lookup_with_reward_variance_for_grpo(worke
     toolset) is a format the bundled model knows: sampled at T = 1 it calls ``lookup`` and is
     right about half the time, so GRPO's groups have reward variance to learn from, where
     glossary gives none (docs/verifiers.md). The run that shows the reward rising is
-    recipes/grpo/verifiers_fact_lookup.py (45 minutes on 2 loaded cores)."""
+    recipes/verifiers/fact_lookup.py (45 minutes on 2 loaded cores)."""
     try:
         python = verifiers_python()
     except VerifiersUnavailable as missing:

@@ -1,7 +1,7 @@
 """GRPO through ``VerifiersEnvs`` on the bundled model, and whether the reward rises.
 
-    python recipes/grpo/verifiers_fact_lookup.py               # fact_lookup: before, train, after
-    python recipes/grpo/verifiers_fact_lookup.py --glossary    # glossary as it comes: can it learn?
+    python recipes/verifiers/fact_lookup.py               # fact_lookup: before, train, after
+    python recipes/verifiers/fact_lookup.py --glossary    # glossary as it comes: can it learn?
 
 Needs the verifiers venv (``bash scripts/verifiers_venv.sh``). Two verifiers envs, both in
 tests/verifiers_envs:
