@@ -46,11 +46,14 @@ def save(out: Path, docs: Path) -> None:
         if stage.name not in NOT_CARRIED:
             shutil.copy2(stage, docs / stage.name)
     sft = out / "sft"
-    if (sft / "final_model").is_dir():
+    checkpoint = newest_checkpoint(sft)
+    if (sft / "final_model").is_dir() and checkpoint is None:
+        # a folder ``restore`` rebuilt: its final model was merged from the carried adapter
+        assert (docs / ADAPTER).is_dir(), f"{sft} has a final model but no checkpoint"
+    elif (sft / "final_model").is_dir():
+        assert checkpoint is not None
         shutil.copy2(sft / "config.yaml", docs / "sft_config.yaml")
         shutil.copy2(sft / "metrics.jsonl", docs / "sft_metrics.jsonl")
-        checkpoint = newest_checkpoint(sft)
-        assert checkpoint is not None, f"{sft} has a final model but no checkpoint"
         (docs / ADAPTER).mkdir(exist_ok=True)
         for name in ADAPTER_FILES:
             shutil.copy2(checkpoint / name, docs / ADAPTER / name)
