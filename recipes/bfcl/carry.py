@@ -50,8 +50,7 @@ def save(out: Path, docs: Path) -> None:
     if (sft / "final_model").is_dir() and checkpoint is None:
         # a folder ``restore`` rebuilt: its final model was merged from the carried adapter
         assert (docs / ADAPTER).is_dir(), f"{sft} has a final model but no checkpoint"
-    elif (sft / "final_model").is_dir():
-        assert checkpoint is not None
+    elif (sft / "final_model").is_dir() and checkpoint is not None:
         shutil.copy2(sft / "config.yaml", docs / "sft_config.yaml")
         shutil.copy2(sft / "metrics.jsonl", docs / "sft_metrics.jsonl")
         (docs / ADAPTER).mkdir(exist_ok=True)
