@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -48,6 +47,7 @@ from post_training_cookbook.trainer.trainer import Trainer
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
 sys.path.insert(0, str(Path(__file__).parent))
+import packing
 from memory import peak_bytes, reset_peak, resident_bytes
 
 SMOLLM2_FOLDER = (
@@ -91,17 +91,9 @@ class Row:
 
 
 def episodes(shape: Shape, vocab: int) -> list[TrainingSample]:
-    rng = random.Random(0)
-    prompt = [rng.randrange(vocab) for _ in range(shape.prompt)]
-    samples = []
-    for _ in range(shape.episodes):
-        tokens = prompt + [rng.randrange(vocab) for _ in range(shape.sampled)]
-        mask = [0.0] * shape.prompt + [1.0] * shape.sampled
-        advantage = rng.choice([-1.0, 1.0])
-        samples.append(
-            TrainingSample(tokens, mask, [-9.0 * m for m in mask], [advantage * m for m in mask])
-        )
-    return samples
+    """``packing.py``'s episodes of one group, one turn each."""
+    group = packing.Shape(1, shape.episodes, shape.prompt, 1, shape.sampled, 0, use_lora=False)
+    return packing.episodes(group, vocab)
 
 
 def model_source(name: str) -> str:

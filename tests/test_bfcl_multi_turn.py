@@ -410,12 +410,17 @@ def test_the_recipe_scores_every_model_it_makes_on_held_out_entries_only():
 
     recipe = _multi_turn_recipe()
     stages = list(recipe.STAGE_FUNCTIONS)
+    variants = [f"eval_{{}}_{v}" for v in ("miss_param", "miss_func", "long_context")]
     for model in ("sft", "grpo"):
-        for scored in (f"eval_{model}", f"eval_{model}_wide", f"bfcl_{model}"):
+        for scored in (f"eval_{model}", f"bfcl_{model}", *(v.format(model) for v in variants)):
             assert stages.index(scored) > stages.index(model)
     assert stages.index("eval_base") < stages.index("sft")
-    for name in ("eval_base", "eval_sft", "eval_grpo", "eval_sft_wide", "eval_grpo_wide"):
+    for name in ("eval_base", "eval_sft", "eval_grpo"):
         assert '"held_out"' in inspect.getsource(recipe.STAGE_FUNCTIONS[name])
+    for model in ("sft", "grpo"):
+        for variant in variants:
+            assert recipe.STAGE_FUNCTIONS[variant.format(model)].func is recipe.eval_variant
+    assert '"held_out"' in inspect.getsource(recipe.eval_variant)
     grpo = inspect.getsource(recipe.grpo)
     assert 'entries("train")' in grpo and 'turn_rewards="per_step"' in grpo
     assert "max_sampling_attempts=" in grpo
@@ -438,6 +443,32 @@ def test_the_paired_gain_clusters_a_scenarios_variants_together():
     assert by_entry["gain"] == by_scenario["gain"] == pytest.approx(8 / 24)
     assert (by_entry["clusters"], by_scenario["clusters"]) == (6, 3)
     assert by_scenario["se"] > by_entry["se"] > 0
+
+
+def test_the_report_adds_each_variant_category_scored_with_both_models(tmp_path):
+    """A run stopped among the variant stages keeps what it scored: the report compares each
+    variant scored with SFT and GRPO, and the wide gain pools them with ``multi_turn_base``,
+    a scenario's variants as one cluster; a variant scored with one model only is left out."""
+    recipe = _multi_turn_recipe()
+
+    def write(stage: str, category: str, valid: dict[int, int]) -> None:
+        entries = {f"multi_turn_{category}_{n}": {"turns": 4, "turns_valid": v} for n, v in
+                   valid.items()}  # fmt: skip
+        (tmp_path / f"{stage}.json").write_text(json.dumps({"per_entry": entries}))
+
+    write("eval_base", "base", {3: 0, 7: 0})
+    write("eval_sft", "base", {3: 0, 7: 1})
+    write("eval_grpo", "base", {3: 2, 7: 1})
+    write("eval_sft_miss_param", "miss_param", {3: 0, 7: 0})
+    write("eval_grpo_miss_param", "miss_param", {3: 4, 7: 0})
+    write("eval_sft_miss_func", "miss_func", {3: 0, 7: 0})  # GRPO not scored on it yet
+    report = recipe.report(tmp_path)
+    assert report["grpo_over_sft"]["gain"] == pytest.approx(2 / 8)
+    assert report["grpo_over_sft_miss_param"]["gain"] == pytest.approx(4 / 8)
+    assert "grpo_over_sft_miss_func" not in report
+    wide = report["grpo_over_sft_wide"]
+    assert wide["categories"] == ["base", "miss_param"]
+    assert (wide["entries"], wide["clusters"], wide["gain"]) == (4, 2, pytest.approx(6 / 16))
 
 
 def test_the_paired_bfcl_change_compares_the_same_items_from_the_stage_json():

@@ -54,14 +54,14 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTur
 MAX_PROMPT_TOKENS = 5200
 CATEGORIES = ("multi_turn_base",)
 """Trained on, and scored at every stage."""
-WIDE_CATEGORIES = (
-    "multi_turn_base", "multi_turn_miss_func", "multi_turn_miss_param", "multi_turn_long_context",
-)  # fmt: skip
-"""The ``*_wide`` stages score SFT and GRPO on the held-out entries of all four categories
-(same bound): the same held-out scenarios' variants (a function held back until a later
-turn, a parameter the user leaves out, a long backend state) and three more scenarios that
-only ``miss_func`` keeps under the bound. A scenario's variants are not independent, so
-their paired gain is clustered by scenario."""
+VARIANTS = ("miss_param", "miss_func", "long_context")
+"""BFCL's other multi-turn categories, each scored with SFT and GRPO on its held-out entries
+(same bound) by a stage of its own (``eval_sft_miss_param``, ``eval_grpo_miss_param``, ...,
+cheapest first, so a run stopped between them keeps what it scored): the held-out scenarios'
+variants (a parameter the user leaves out, a function held back until a later turn, a long
+backend state) and three more scenarios that only ``miss_func`` keeps under the bound. With
+``eval_sft``/``eval_grpo`` (``multi_turn_base``) they make the wide comparison, where a
+scenario's variants are not independent: its paired gain is clustered by scenario."""
 EVAL = {
     "max_turns": 24,
     "max_model_length": 8192,
@@ -227,11 +227,6 @@ def eval_sft(out: Path) -> dict:
     return _multi_turn(str(out / "sft" / "final_model"), out, "sft", "held_out")
 
 
-def eval_sft_wide(out: Path) -> dict:
-    model = str(out / "sft" / "final_model")
-    return _multi_turn(model, out, "sft_wide", "held_out", categories=WIDE_CATEGORIES)
-
-
 def bfcl_sft(out: Path) -> dict:
     return _bfcl(str(out / "sft" / "final_model"), out, "sft")
 
@@ -296,10 +291,23 @@ def eval_grpo(out: Path) -> dict:
     return _multi_turn(model, out, GRPO_RUN, "held_out", step=step)
 
 
-def eval_grpo_wide(out: Path) -> dict:
-    model, step = grpo_model(out)
-    label = f"{GRPO_RUN}_wide"
-    return _multi_turn(model, out, label, "held_out", step=step, categories=WIDE_CATEGORIES)
+def eval_variant(out: Path, model: str, variant: str) -> dict:
+    """One of ``VARIANTS``' held-out entries scored with the SFT (``model="sft"``) or the
+    GRPO model."""
+    categories = (f"multi_turn_{variant}",)
+    if model == "sft":
+        path, step = str(out / "sft" / "final_model"), None
+    else:
+        path, step = grpo_model(out)
+    label = f"{'sft' if model == 'sft' else GRPO_RUN}_{variant}"
+    return _multi_turn(path, out, label, "held_out", step=step, categories=categories)
+
+
+VARIANT_STAGES = {
+    f"eval_{model}_{variant}": functools.partial(eval_variant, model=model, variant=variant)
+    for variant in VARIANTS
+    for model in ("sft", "grpo")
+}
 
 
 EVAL_STEP = int(sys.argv[sys.argv.index("--eval-step") + 1]) if "--eval-step" in sys.argv else None
@@ -367,7 +375,8 @@ def report(out: Path) -> dict:
     """The stage table's paired comparisons (held-out per-turn accuracy)."""
     import json
 
-    names = ("eval_base", "eval_sft", f"eval_{GRPO_RUN}", "eval_sft_wide", f"eval_{GRPO_RUN}_wide")
+    variants = [f"eval_{model}_{v}" for v in VARIANTS for model in ("sft", GRPO_RUN)]
+    names = ("eval_base", "eval_sft", f"eval_{GRPO_RUN}", *variants)
     scores = {
         name: json.loads((out / f"{name}.json").read_text())
         for name in names
@@ -385,17 +394,22 @@ def report(out: Path) -> dict:
         result[f"bfcl_{GRPO_RUN}_over_sft"] = paired_bfcl_change(
             json.loads(bfcl["sft"].read_text()), json.loads(bfcl[GRPO_RUN].read_text())
         )
-    if f"eval_{GRPO_RUN}_wide" in scores:
-        before, after = scores["eval_sft_wide"], scores[f"eval_{GRPO_RUN}_wide"]
-        result[f"{GRPO_RUN}_over_sft_wide"] = paired_turn_gain(before, after, by_scenario=True)
-        for category in WIDE_CATEGORIES:
-            pick = {  # one category's entries: each is its own scenario there
-                name: {"per_entry": {i: e for i, e in s["per_entry"].items() if category in i}}
-                for name, s in (("before", before), ("after", after))
-            }
-            result[f"{GRPO_RUN}_over_sft_{category}"] = paired_turn_gain(
-                pick["before"], pick["after"]
-            )
+    scored = [  # the variants scored with both models so far
+        v for v in VARIANTS if f"eval_sft_{v}" in scores and f"eval_{GRPO_RUN}_{v}" in scores
+    ]
+    for variant in scored:
+        result[f"{GRPO_RUN}_over_sft_{variant}"] = paired_turn_gain(
+            scores[f"eval_sft_{variant}"], scores[f"eval_{GRPO_RUN}_{variant}"]
+        )
+    if scored and f"eval_{GRPO_RUN}" in scores:
+        before: dict[str, dict] = {"per_entry": {}}  # base and every variant scored
+        after: dict[str, dict] = {"per_entry": {}}
+        for stage in ("", *(f"_{v}" for v in scored)):
+            before["per_entry"] |= scores[f"eval_sft{stage}"]["per_entry"]
+            after["per_entry"] |= scores[f"eval_{GRPO_RUN}{stage}"]["per_entry"]
+        result[f"{GRPO_RUN}_over_sft_wide"] = paired_turn_gain(before, after, by_scenario=True) | {
+            "categories": ["base", *scored]
+        }
     return result
 
 
@@ -441,15 +455,15 @@ def plots(out: Path) -> dict:
 
 STAGES = (
     "demos", "zero_shot", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo",
-    "bfcl_base", "bfcl_sft", "bfcl_grpo", "eval_sft_wide", "eval_grpo_wide", "report", "plots",
+    "bfcl_base", "bfcl_sft", "bfcl_grpo", *VARIANT_STAGES, "report", "plots",
 )  # fmt: skip
-"""The wide evaluations last: they take longest (all four categories' held-out entries) and
-the must-show numbers come from the stages before them."""
+"""The variants after the must-show numbers' stages: together they take hours here (a run
+stopped among them keeps each variant it scored; ``--stage report OUT`` reports those)."""
 PER_RUN = ("report", "plots")
 """Stages without "grpo" in their names that each GRPO run has its own of."""
 STAGE_FUNCTIONS = {
     f"{stage}_{GRPO_RUN}" if stage in PER_RUN and SEED else stage.replace("grpo", GRPO_RUN): (
-        globals()[stage]
+        VARIANT_STAGES.get(stage) or globals()[stage]
     )
     for stage in STAGES
 }
