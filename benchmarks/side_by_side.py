@@ -164,7 +164,8 @@ def smollm2_shape_folder(folder: Path, seed: int = 0) -> Any:
 
     from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE
 
-    vocab_size = SMOLLM2_135M["vocab_size"]
+    shape: dict[str, Any] = dict(SMOLLM2_135M)
+    vocab_size = shape["vocab_size"]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: (not c.isalpha(), c))
     vocab = {token: i for i, token in enumerate(SPECIALS + alphabet)}
     merges = []  # byte pairs, letters first, until the vocabulary is SmolLM2's
@@ -184,7 +185,7 @@ def smollm2_shape_folder(folder: Path, seed: int = 0) -> Any:
     assert len(wrapped) == vocab_size, len(wrapped)
     torch.manual_seed(seed)
     ids = {"bos_token_id": wrapped.pad_token_id, "pad_token_id": wrapped.pad_token_id}
-    config = LlamaConfig(**SMOLLM2_135M, **ids, eos_token_id=wrapped.eos_token_id)
+    config = LlamaConfig(**shape, **ids, eos_token_id=wrapped.eos_token_id)
     LlamaForCausalLM(config).save_pretrained(folder)
     wrapped.save_pretrained(folder)
     return wrapped

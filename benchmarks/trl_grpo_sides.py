@@ -165,7 +165,9 @@ class GameEnvironment:
         return result.content
 
 
-def game_reward(completions: list[list[Message]], target: list[str], **_: Any) -> list[float]:
+def game_reward(
+    completions: list[list[Message]], target: list[str], **_: Any
+) -> list[float | None]:
     """TRL's reward function: ``answer_reward`` of each rollout's last message."""
     return [
         answer_reward(messages[-1], answer)
@@ -185,7 +187,7 @@ def run_trl(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
         raise ValueError("the chat template has no tools loop to point at the game's tools")
     tokenizer.chat_template = tokenizer.chat_template.replace(TOOLS_LOOP, GAME_TOOLS_LOOP)
     tokenizer.response_template = qwen3_template  # the Hermes <tool_call> JSON format
-    chosen = {"bf16": setting.bf16, "gradient_checkpointing": setting.checkpointing}
+    chosen: dict[str, Any] = {"bf16": setting.bf16, "gradient_checkpointing": setting.checkpointing}
     args = GRPOConfig(
         output_dir=scratch, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         seed=work.seed, max_steps=work.steps, num_generations=work.group,
@@ -267,15 +269,16 @@ def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     from post_training_cookbook.grpo import lockstep
     from post_training_cookbook.grpo.config import GRPOConfig
     from post_training_cookbook.grpo.train import train_multi_turn
+    from post_training_cookbook.runs.config import Dtype
     from post_training_cookbook.runs.reporting import RunLog
     from post_training_cookbook.service.local import LocalModelService
     from post_training_cookbook.trainer import trainer as trainer_module
     from post_training_cookbook.trainer.lora import DEFAULT_LORA_TARGETS
 
     assert tuple(LORA_TARGETS) == DEFAULT_LORA_TARGETS, "TRL's LoRA targets are not ours"
-    marks, prompt_ids, found = StepMarks(), {}, {}
+    marks, prompt_ids, found = StepMarks(), {}, dict[str, Any]()
     if setting.bf16 is not None:  # no config field: the trainer resolves autocast itself
-        trainer_module.resolve_autocast = lambda *_: setting.bf16  # type: ignore[assignment,return-value]
+        trainer_module.resolve_autocast = lambda *_: setting.bf16  # type: ignore[assignment]
     collect, render_prompt = lockstep.collect_groups, HermesCodec.render_prompt
     forward_backward, record = LocalModelService.forward_backward, RunLog.record
 
@@ -309,11 +312,12 @@ def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
             marks.step_ends()
         record(self, step, metrics, **kwargs)
 
-    lockstep.collect_groups = collecting  # type: ignore[assignment]
+    lockstep.collect_groups = collecting
     HermesCodec.render_prompt = recorded_prompt  # type: ignore[method-assign]
     LocalModelService.forward_backward = counted  # type: ignore[method-assign]
     RunLog.record = recorded  # type: ignore[method-assign]
-    dtype = {None: None, False: "float32", True: "bfloat16"}[setting.bf16]
+    dtypes: dict[bool | None, Dtype | None] = {None: None, False: "float32", True: "bfloat16"}
+    dtype = dtypes[setting.bf16]
     config = GRPOConfig(
         model=work.model, codec=work.codec, batch_size=work.tasks, episodes_per_task=work.group,
         num_steps=work.steps, max_turns=work.max_turns, max_model_length=work.max_model_length,
@@ -326,7 +330,7 @@ def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     # The whole train split with the same seed: the stream hands out ``ordered_tasks``.
     train_multi_turn(config, list(TOOL_USE_GAME_TRAIN_TASKS), lambda task: TieBrokenGame())
     codec = found["codec"]
-    closing = codec.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    closing = int(codec.tokenizer.convert_tokens_to_ids("<|im_end|>"))
     suffix = codec.render_extension([TOOL_RESULT], sampled_tokens=[closing])
     note = f"{found['note']}, generators {dtype or 'the catalog dtype'}"
     return marks.row(prompt_ids=prompt_ids, tool_suffix_ids=list(suffix), note=note)
