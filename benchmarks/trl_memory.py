@@ -39,28 +39,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import string
-import subprocess
 import sys
 import tempfile
-import time
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from side_by_side import ROOT, print_result, proc_status, run_side, smollm2_shape_folder
+
 PROMPT_TOKENS, COMPLETION_TOKENS, TASKS, GROUP, SEED = 390, 224, 4, 4, 0
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-            "<tool_response>", "</tool_response>"]  # fmt: skip
-
-
-def proc_status(key: str) -> int:
-    """``VmHWM`` / ``VmRSS`` of this process, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def reward(text: str) -> float:
@@ -69,38 +57,10 @@ def reward(text: str) -> float:
 
 def build(folder: Path) -> dict[str, list[str]]:
     """The SmolLM2-shaped model and its tokenizer in ``folder``; the prompts of both sides."""
-    import torch
-    from packing import SMOLLM2_135M
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE
     from post_training_cookbook.models import resolve_model
     from post_training_cookbook.models.loading import load_codec
 
-    vocab_size = SMOLLM2_135M["vocab_size"]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: (not c.isalpha(), c))
-    vocab = {token: i for i, token in enumerate(SPECIALS + alphabet)}
-    merges = []  # byte pairs, letters first, until the vocabulary is SmolLM2's
-    for a in alphabet:
-        for b in alphabet:
-            if len(vocab) < vocab_size:
-                merges.append((a, b))
-                vocab[a + b] = len(vocab)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIALS)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        chat_template=HERMES_CHAT_TEMPLATE,
-    )  # fmt: skip
-    assert len(wrapped) == vocab_size, len(wrapped)
-    torch.manual_seed(SEED)
-    ids = {"bos_token_id": wrapped.pad_token_id, "pad_token_id": wrapped.pad_token_id}
-    config = LlamaConfig(**SMOLLM2_135M, **ids, eos_token_id=wrapped.eos_token_id)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    wrapped.save_pretrained(folder)
+    wrapped = smollm2_shape_folder(folder, SEED)
     codec = load_codec(resolve_model(str(folder), codec="hermes"), wrapped)
     rng = random.Random(SEED)
     prompts: dict[str, list[str]] = {"ours": [], "trl": []}
@@ -224,25 +184,15 @@ def child(args: argparse.Namespace) -> None:
         else:
             variant = args.child.partition(":")[2]
             row = run_ours(args.folder, prompts["ours"], scratch, variant, args.steps)
-    print("RESULT " + json.dumps(row), flush=True)
+    print_result(row)
 
 
 def measure(side: str, python: str, folder: Path, prompts: Path, steps: int) -> dict[str, object]:
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    if side != "trl":
-        paths = [str(ROOT / "src"), env.get("PYTHONPATH")]
-        env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    command = [python, __file__, "--child", side, "--folder", str(folder), "--prompts"]
-    command += [str(prompts), "--steps", str(steps)]
-    started = time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    output = done.stdout + done.stderr
-    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if done.returncode or not results:
-        sys.exit(f"{side} failed (exit {done.returncode}):\n{output[-6000:]}")
+    arguments = ["--folder", str(folder), "--prompts", str(prompts), "--steps", str(steps)]
+    row = run_side(side, python, __file__, arguments, with_src=side != "trl")
+    output = row.pop("output")
     plan = [line for line in output.splitlines() if "trainer: micro_batch_tokens=" in line]
-    row = json.loads(results[-1][len("RESULT ") :]) | {"side": side}
-    row |= {"wall_s": time.monotonic() - started, "plan": plan[0] if plan else ""}
+    row["plan"] = plan[0] if plan else ""
     print(json.dumps(row), flush=True)  # each side as it ends
     return row
 
