@@ -9,7 +9,8 @@
 // results match theirs op for op; attention keeps its scores in float32 (torch's bf16 matmul
 // rounds them to bf16 first). Hybrid models (Qwen3.5) get one kernel here too: their Gated
 // DeltaNet layers' decode step between its two matmuls (gated_delta_step, called by
-// engine/gated_delta.py). Built on first use by post_training_cookbook.engine.native.
+// engine/gated_delta.py); it lives in this file, past 400 lines, because the loader builds
+// one source into one library. Built on first use by post_training_cookbook.engine.native.
 #include <torch/extension.h>
 
 #include <omp.h>
