@@ -19,7 +19,8 @@ LocalEngine decodes with its native CPU kernels (``engine/native``, built on fir
 8 layers, Gated DeltaNet layers 3 to 1 beside full attention as in Qwen3.6-35B-A3B; the MoE
 one routes over 8 experts, 2 per token, beside a shared expert). A hybrid's decode steps run
 the model's forward with the engine's Gated DeltaNet step (``engine/gated_delta.py``), not
-the fused dense step, so the native-kernel rows do not apply to it.
+the fused dense step; its native kernel is that step's (``--torch-ops-row``: without it).
+``benchmarks/hybrid_decode_step.py`` times one such step against another checkout's.
 ``--device cuda`` puts both engines' copies of the model on the GPU (the native kernels are
 CPU kernels: a CUDA engine decodes with torch ops; scripts/gpu_hybrid_check.sh runs this on
 the random hybrids); each timed run ends with a CUDA synchronize.

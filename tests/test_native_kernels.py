@@ -1,5 +1,6 @@
 """The native decode kernels (engine/native) against torch: attention, the whole decode step
-(Llama, Qwen2 with biases, Qwen3 with head norms), weight updates, and the fallbacks."""
+(Llama, Qwen2 with biases, Qwen3 with head norms), a hybrid's Gated DeltaNet step, weight
+updates, and the fallbacks."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hybrid_common import tiny_hybrid_model
 from test_engine import VOCAB, tiny_llama_family
 
-from post_training_cookbook.engine import native
+from post_training_cookbook.engine import gated_delta, native
 from post_training_cookbook.engine.decoder import Decoder, Request, inference_copy
 from post_training_cookbook.engine.native import NativeKernels, native_kernels
 from post_training_cookbook.engine.threads import set_own_thread_count
@@ -220,6 +223,82 @@ def test_a_non_standard_activation_keeps_the_modules_code_with_native_attention(
     with_kernel = next_logits(decoder, native_step=False, native_attention=True)
     plain = next_logits(decoder, native_step=False, native_attention=False)
     assert (with_kernel - plain).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_gated_deltanet_step_computes_the_torch_steps_outputs_and_states(
+    kernels: NativeKernels, dtype: torch.dtype
+) -> None:
+    """Three single-token steps of a tiny hybrid's Gated DeltaNet layer (4 value heads over 2
+    key heads, a conv bias added) from random states, laid out as the engine keeps them."""
+    torch.manual_seed(0)
+    model = inference_copy(tiny_hybrid_model(VOCAB, moe=False), dtype, torch.device("cpu"))
+    gated_delta.install(model)  # fused projections, kernel-major conv weight
+    layer = model.model.layers[0].linear_attn
+    layer.conv1d.bias = torch.nn.Parameter(torch.randn(layer.conv_dim).to(dtype) * 0.3)
+    names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    projections = torch.cat([getattr(layer, name).weight for name in names])
+    rows, kernel = 5, layer.conv_kernel_size
+    conv = torch.randn(rows, kernel, layer.conv_dim).to(dtype)
+    state = torch.randn(rows, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim) * 0.3
+    conv_states = [conv.clone(), conv.clone()]  # kernel-major, seen as [rows, conv_dim, kernel]
+    states = [state.clone(), state.clone()]
+    with torch.inference_mode():
+        for _ in range(3):
+            hidden = torch.randn(rows, 1, model.config.hidden_size).to(dtype)
+            native_out = gated_delta.native_decode_token(
+                kernels, layer, projections, hidden, conv_states[0].transpose(1, 2), states[0]
+            )
+            torch_out = gated_delta.decode_token(
+                layer, projections, hidden, conv_states[1].transpose(1, 2), states[1]
+            )
+            assert native_out.dtype == dtype and native_out.shape == torch_out.shape
+            # bf16: torch's path rounds each convolution product to bf16, the kernel its sum
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2 * torch_out.abs().max().item()
+            assert (native_out.float() - torch_out.float()).abs().max().item() <= tolerance
+    assert torch.equal(conv_states[0], conv_states[1])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (states[0] - states[1]).abs().max().item() <= tolerance
+    assert (states[0] - state).abs().max().item() > 0.1  # the steps did move the state
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_a_hybrid_decodes_the_same_with_and_without_the_native_kernels(
+    kernels: NativeKernels, moe: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    native_steps = 0
+    native_step = gated_delta.native_decode_token
+
+    def counted(*args: object) -> torch.Tensor:
+        nonlocal native_steps
+        native_steps += 1
+        return native_step(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(gated_delta, "native_decode_token", counted)
+    model = tiny_hybrid_model(VOCAB, moe=moe)
+    sequences = []
+    for native_on in (True, False):
+        decoder = Decoder(
+            inference_copy(model, torch.float32, torch.device("cpu")), 0, native_kernels=native_on
+        )
+        loop = asyncio.new_event_loop()
+        rng = random.Random(0)
+        requests = [
+            Request(rng.choices(range(VOCAB), k=length), 1, SamplingParams(max_tokens=12, seed=i),
+                    loop, loop.create_future())
+            for i, length in enumerate([5, 31, 12])
+        ]  # fmt: skip
+        with torch.inference_mode():
+            decoder.prefill(requests)
+            while decoder.rows:
+                decoder.decode_step()
+        sequences.append([loop.run_until_complete(r.future)[0] for r in requests])
+        loop.close()
+    assert native_steps == 11 * 3  # 3 linear-attention layers; 11 steps after the prefill
+    for with_kernels, with_torch in zip(*sequences, strict=True):
+        assert with_kernels.tokens == with_torch.tokens
+        gaps = np.abs(np.subtract(with_kernels.logprobs, with_torch.logprobs))
+        assert gaps.max() < 1e-5
 
 
 def test_loading_the_kernels_leaves_denormals_alone(kernels: NativeKernels) -> None:

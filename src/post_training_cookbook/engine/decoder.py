@@ -29,6 +29,7 @@ from post_training_cookbook.engine import gated_delta
 from post_training_cookbook.engine.fast_decode import FusedDecodeStep
 from post_training_cookbook.engine.heap import return_freed_memory
 from post_training_cookbook.engine.kv import ATTENTION_NAME, KVBatch, WindowCache
+from post_training_cookbook.engine.native import native_kernels as load_native_kernels
 from post_training_cookbook.engine.prefix_cache import PrefixCache, PrefixEntry
 from post_training_cookbook.engine.recurrent import (
     FULL_ATTENTION,
@@ -84,8 +85,9 @@ class Decoder:
         # runs its own forward).
         fused = self.hybrid or record_routes
         self.fused = None if fused else FusedDecodeStep.for_model(model, native_kernels)
-        if self.hybrid:
-            gated_delta.install(model)  # its linear-attention layers' own decode step
+        if self.hybrid:  # its linear-attention layers' own decode step
+            on_cpu = self.device.type == "cpu"
+            gated_delta.install(model, load_native_kernels() if native_kernels and on_cpu else None)
         self.prefix_cache = PrefixCache(
             prefix_cache_size, prefix_cache_bytes, whole_entries=self.hybrid
         )

@@ -30,8 +30,8 @@ writes, attention and the activation as plain loops. Without a compiler, or with
 ``native_kernels=False``, the step runs the same arithmetic as torch ops. Other
 architectures, and every prefill, run the model's own forward; so do hybrid models (Qwen3.5,
 Qwen3.6: Gated DeltaNet layers beside full attention), whose linear-attention layers decode
-with the engine's own single-token step (``gated_delta.py``) over each sequence's recurrent
-state (``recurrent.py``). ``benchmarks/generation.py``
+with the engine's own single-token step (``gated_delta.py``, native on CPU where the kernels
+build) over each sequence's recurrent state (``recurrent.py``). ``benchmarks/generation.py``
 measures the engine against ``generate``; docs/performance.md has the numbers.
 
 Threads. On CPU the worker computes with ``num_threads`` intra-op threads (None: torch's

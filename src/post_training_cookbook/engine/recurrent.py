@@ -6,7 +6,9 @@ per token (``kv.py``); a Gated DeltaNet layer keeps, per sequence, two fixed-siz
 summarise every token it has read:
 
 - the causal convolution's state: the last ``kernel`` inputs of its short depthwise
-  convolution, ``[conv_dim, kernel]`` in the model's dtype;
+  convolution, ``[conv_dim, kernel]`` in the model's dtype (stored kernel-major, ``[kernel,
+  conv_dim]``, for the engine's decode step, ``gated_delta.py``; the layers see it as
+  ``[conv_dim, kernel]`` through a transposed view);
 - the delta rule's state: ``[value_heads, key_dim, value_dim]`` in float32 (the model's own
   recurrence computes in float32 whatever the weights' dtype).
 
@@ -73,7 +75,8 @@ class StateShape:
 @dataclass
 class RowState:
     """One sequence's state in every linear-attention layer (a prefix-cache snapshot):
-    ``conv[i]`` and ``recurrent[i]`` belong to the i-th linear-attention layer."""
+    ``conv[i]`` (kernel-major) and ``recurrent[i]`` belong to the i-th linear-attention
+    layer."""
 
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
@@ -112,7 +115,8 @@ class RecurrentStates:
     def resize(self, row_capacity: int, keep: int) -> None:
         """Fresh buffers of ``row_capacity`` rows holding the first ``keep`` rows' states."""
         for layer, shape in self.shapes.items():
-            conv = torch.zeros(row_capacity, *shape.conv, dtype=self.dtype, device=self.device)
+            conv_dim, kernel = shape.conv
+            conv = torch.zeros(row_capacity, kernel, conv_dim, dtype=self.dtype, device=self.device)
             recurrent = torch.zeros(
                 row_capacity, *shape.recurrent, dtype=torch.float32, device=self.device
             )
@@ -190,11 +194,12 @@ class StateLayer(LinearAttentionCacheLayerMixin):
         return owner
 
     def view(self, store: str) -> torch.Tensor:
-        """The window's rows of this layer's ``"conv"`` or ``"recurrent"`` buffer: a view, so
-        in-place updates reach the buffer."""
+        """The window's rows of this layer's ``"conv"`` (``[rows, conv_dim, kernel]``) or
+        ``"recurrent"`` buffer: a view, so in-place updates reach the buffer."""
         owner = self.owner
         buffers: dict[int, torch.Tensor] = getattr(owner.batch.states, store)
-        return buffers[self.index][owner.rows]
+        rows = buffers[self.index][owner.rows]
+        return rows.transpose(1, 2) if store == "conv" else rows
 
     def lazy_initialization(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to do: the buffers exist before the first forward."""

@@ -54,6 +54,7 @@ class NativeKernels(Protocol):
         [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float], torch.Tensor
     ]
     decode_step: Callable[..., torch.Tensor]
+    gated_delta_step: Callable[..., torch.Tensor]
 
 
 _lock = threading.Lock()

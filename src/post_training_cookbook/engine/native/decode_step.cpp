@@ -7,7 +7,10 @@
 // read once for all the query heads that share it, float32 softmax) and SiLU-and-multiply.
 // Elementwise steps round to the model's dtype where Hugging Face's modules do, so bfloat16
 // results match theirs op for op; attention keeps its scores in float32 (torch's bf16 matmul
-// rounds them to bf16 first). Built on first use by post_training_cookbook.engine.native.
+// rounds them to bf16 first). Hybrid models (Qwen3.5) get one kernel here too: their Gated
+// DeltaNet layers' decode step between its two matmuls (gated_delta_step, called by
+// engine/gated_delta.py); it lives in this file, past 400 lines, because the loader builds
+// one source into one library. Built on first use by post_training_cookbook.engine.native.
 #include <torch/extension.h>
 
 #include <omp.h>
@@ -350,11 +353,182 @@ at::Tensor decode_step(const at::Tensor& input_ids, const at::Tensor& cos, const
                              values, valid, col, lo, heads, eps, scale);
 }
 
+
+// Gated DeltaNet's single-token decode step after its input projection, for rows [first, last):
+// engine/gated_delta.py's decode_token, rounding to T where it (Hugging Face's modules) does.
+// Per row: shift the new column into the causal conv state and convolve (then SiLU);
+// L2-normalise each key head's query and key; the gates; the delta rule over each value head's
+// float32 state; the gated RMSNorm. The delta rule reads each head's state once, for q S and
+// k S, and rewrites it while it is still in cache (S <- decay S + k delta^T, delta = beta (v -
+// decay k S), out = decay q S + (q . k) delta): from torch that took three passes over the
+// state, which is most of what a hybrid's decode step moves, and some forty small ops.
+template <typename T>
+void gated_delta_rows(const T* projected, int64_t projected_stride, T* conv_state,
+                      const T* conv_weight, const T* conv_bias, const float* a_log,
+                      const float* dt_bias, const T* norm_weight, float eps, float* state, T* out,
+                      int64_t first, int64_t last, int64_t kernel, int64_t key_heads,
+                      int64_t heads, int64_t head_k, int64_t head_v) {
+  const int64_t key_dim = key_heads * head_k, value_dim = heads * head_v;
+  const int64_t conv_dim = 2 * key_dim + value_dim, group = heads / key_heads;
+  std::vector<float> mixed(conv_dim), read_q(head_v), read_k(head_v), delta(head_v), row(head_v);
+  for (int64_t r = first; r < last; ++r) {
+    const T* x = projected + r * projected_stride;  // mixed, then gate [value_dim], b, a [heads]
+    const T* gate = x + conv_dim;
+    const T* b = gate + value_dim;
+    const T* a = b + heads;
+    T* columns = conv_state + r * kernel * conv_dim;  // [kernel, conv_dim], oldest first
+    std::copy(columns + conv_dim, columns + kernel * conv_dim, columns);
+    std::copy(x, x + conv_dim, columns + (kernel - 1) * conv_dim);
+    std::fill(mixed.begin(), mixed.end(), 0.f);
+    for (int64_t j = 0; j < kernel; ++j) {
+      const T* w = conv_weight + j * conv_dim;
+      const T* in = columns + j * conv_dim;
+#pragma omp simd
+      for (int64_t c = 0; c < conv_dim; ++c) mixed[c] += to_float(w[c]) * to_float(in[c]);
+    }
+    for (int64_t c = 0; c < conv_dim; ++c) {
+      const float v = round_to<T>(conv_bias ? mixed[c] + to_float(conv_bias[c]) : mixed[c]);
+      mixed[c] = round_to<T>(v / (1.f + std::exp(-v)));  // SiLU
+    }
+    // Queries then keys, [key_heads, head_k] each: L2-normalised; queries divided by sqrt(head_k).
+    const float query_scale = std::sqrt(static_cast<float>(head_k));
+    for (int64_t h = 0; h < 2 * key_heads; ++h) {
+      float* v = mixed.data() + h * head_k;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < head_k; ++i) squares += v[i] * v[i];
+      const float inverse = 1.f / std::sqrt(squares + 1e-6f);
+      for (int64_t i = 0; i < head_k; ++i)
+        v[i] = h < key_heads ? v[i] * inverse / query_scale : v[i] * inverse;
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* q = mixed.data() + (h / group) * head_k;
+      const float* k = q + key_dim;
+      const float* v = mixed.data() + 2 * key_dim + h * head_v;
+      const float gain = round_to<T>(1.f / (1.f + std::exp(-to_float(b[h]))));
+      const float lifted = to_float(a[h]) + dt_bias[h];
+      const float softplus = lifted > 20.f ? lifted : std::log1p(std::exp(lifted));
+      const float decay = std::exp(-std::exp(a_log[h]) * softplus);
+      float* s = state + (r * heads + h) * head_k * head_v;
+      std::fill(read_q.begin(), read_q.end(), 0.f);
+      std::fill(read_k.begin(), read_k.end(), 0.f);
+      float q_dot_k = 0.f;
+      for (int64_t i = 0; i < head_k; ++i) {
+        const float qi = q[i], ki = k[i];
+        const float* si = s + i * head_v;
+        q_dot_k += qi * ki;
+#pragma omp simd
+        for (int64_t j = 0; j < head_v; ++j) {
+          read_q[j] += qi * si[j];
+          read_k[j] += ki * si[j];
+        }
+      }
+      float squares = 0.f;
+      for (int64_t j = 0; j < head_v; ++j) {
+        delta[j] = (v[j] - read_k[j] * decay) * gain;
+        row[j] = round_to<T>(read_q[j] * decay + q_dot_k * delta[j]);
+        squares += row[j] * row[j];
+      }
+      for (int64_t i = 0; i < head_k; ++i) {
+        const float ki = k[i];
+        float* si = s + i * head_v;
+#pragma omp simd
+        for (int64_t j = 0; j < head_v; ++j) si[j] = si[j] * decay + ki * delta[j];
+      }
+      // Qwen3_5RMSNormGated: normalise in float32, round, times the weight in T, times SiLU(gate).
+      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(head_v) + eps);
+      const T* g = gate + h * head_v;
+      T* o = out + r * value_dim + h * head_v;
+      for (int64_t j = 0; j < head_v; ++j) {
+        const float scaled = round_to<T>(row[j] * inverse);
+        const float normed = round_to<T>(to_float(norm_weight[j]) * scaled);
+        const float z = to_float(g[j]);
+        o[j] = static_cast<T>(normed * (z / (1.f + std::exp(-z))));
+      }
+    }
+  }
+}
+
+// projected [rows, conv_dim + 2 heads + value_dim] (the fused input projection's output),
+// conv_state [rows, kernel, conv_dim] and conv_weight [kernel, conv_dim] (kernel-major),
+// conv_bias [conv_dim] or empty, a_log and dt_bias [heads] float32, norm_weight [head_v], state
+// [rows, heads, head_k, head_v] float32: conv_state and state are updated in place; returns the
+// gated norm's output [rows, heads * head_v] (the output projection's input).
+at::Tensor gated_delta_step(const at::Tensor& projected, at::Tensor conv_state,
+                            const at::Tensor& conv_weight, const at::Tensor& conv_bias,
+                            const at::Tensor& a_log, const at::Tensor& dt_bias,
+                            const at::Tensor& norm_weight, double eps, at::Tensor state,
+                            int64_t key_heads) {
+  TORCH_CHECK(state.dim() == 4 && conv_state.dim() == 3 && projected.dim() == 2,
+              "state: [rows, heads, head_k, head_v], conv_state: [rows, kernel, conv_dim], "
+              "projected: [rows, width]");
+  const int64_t rows = state.size(0), heads = state.size(1), head_k = state.size(2),
+                head_v = state.size(3), kernel = conv_state.size(1);
+  TORCH_CHECK(key_heads > 0 && heads % key_heads == 0, "heads must be a multiple of key_heads");
+  const int64_t conv_dim = 2 * key_heads * head_k + heads * head_v;
+  const at::ScalarType dtype = projected.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "gated_delta_step supports float32 and bfloat16");
+  TORCH_CHECK(projected.size(0) == rows &&
+                  projected.size(1) == conv_dim + heads * head_v + 2 * heads &&
+                  projected.stride(1) == 1,
+              "projected: [rows, conv_dim + value_dim + 2 heads] with unit column stride");
+  TORCH_CHECK(conv_state.size(0) == rows && conv_state.size(2) == conv_dim &&
+                  conv_weight.sizes() == at::IntArrayRef({kernel, conv_dim}) &&
+                  (!conv_bias.defined() || conv_bias.numel() == 0 ||
+                   conv_bias.numel() == conv_dim),
+              "conv_state [rows, kernel, conv_dim], conv_weight [kernel, conv_dim]");
+  TORCH_CHECK(a_log.numel() == heads && dt_bias.numel() == heads && norm_weight.numel() == head_v,
+              "a_log, dt_bias [heads]; norm_weight [head_v]");
+  for (const at::Tensor& t : {conv_state, conv_weight, norm_weight})
+    TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous(),
+                "conv and norm tensors: contiguous, of projected's dtype");
+  for (const at::Tensor& t : {a_log, dt_bias, state})
+    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(),
+                "a_log, dt_bias and state: contiguous float32");
+  const bool has_bias = conv_bias.defined() && conv_bias.numel() > 0;
+  TORCH_CHECK(!has_bias || (conv_bias.scalar_type() == dtype && conv_bias.is_contiguous()),
+              "conv_bias: contiguous, of projected's dtype");
+  at::Tensor out = at::empty({rows, heads * head_v}, projected.options());
+  const float* a = a_log.data_ptr<float>();
+  const float* dt = dt_bias.data_ptr<float>();
+  float* s = state.data_ptr<float>();
+  const int64_t stride = projected.stride(0);
+  // omp_get_max_threads(), not at::parallel_for: see attend. Each thread takes a block of rows.
+  const int threads =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), rows)));
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const T* p = projected.data_ptr<T>();
+    T* cs = conv_state.data_ptr<T>();
+    const T* w = conv_weight.data_ptr<T>();
+    const T* bias = has_bias ? conv_bias.data_ptr<T>() : nullptr;
+    const T* norm = norm_weight.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      const int64_t count = omp_get_num_threads(), id = omp_get_thread_num();
+      const int64_t block = (rows + count - 1) / count;
+      const int64_t first = std::min(rows, id * block), last = std::min(rows, first + block);
+      gated_delta_rows<T>(p, stride, cs, w, bias, a, dt, norm, static_cast<float>(eps), s, o,
+                          first, last, kernel, key_heads, heads, head_k, head_v);
+    }
+  };
+  if (dtype == at::kFloat)
+    run(0.f);
+  else
+    run(c10::BFloat16(0.f));
+  return out;
+}
+
 // Both release the GIL: a step takes milliseconds, and the engine's worker thread calls it
 // while the event loop's env and tool coroutines want to run.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Decode attention over KV buffers (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("decode_step", &decode_step, "A Llama-family decode step over KV buffers (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gated_delta_step", &gated_delta_step,
+        "A Gated DeltaNet layer's decode step after its input projection (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }
