@@ -25,6 +25,9 @@ Entries: ``multi_turn_base`` entries whose opening prompt (system, tools and fir
 turn, in Qwen's template) is at most ``MAX_PROMPT_TOKENS`` tokens: the single-backend
 scenarios (file system, trading, travel, vehicle). Train and held-out entries both come
 from that subset, on the fixed split (``bundled_envs/bfcl/multi_turn_data.py``).
+
+One file past 400 lines on purpose: every stage of the run, in the order it runs, with the
+report that compares them, read top to bottom beside ``docs/bfcl_multi_turn.md``'s table.
 """
 
 from __future__ import annotations
