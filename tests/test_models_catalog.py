@@ -111,7 +111,11 @@ def test_without_weights_the_hosted_guides_models_fail_naming_the_model_and_how_
     assert "HF_TOKEN" in message and "HF_HUB_OFFLINE" in message
 
 
-def test_weights_come_from_a_local_folder_or_a_cached_snapshot(tmp_path):
+def test_weights_come_from_a_local_folder_or_a_cached_snapshot(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    # offline whatever the caller's environment: a missing snapshot must not ask the hub
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     bundled = resolve_model(BUNDLED_MODEL_ID)
     assert require_weights(bundled).kind == "local"
     snapshot = tmp_path / "models--Qwen--Qwen3.8-27B" / "snapshots" / "abc123"
