@@ -26,8 +26,8 @@ token trained), in padded rows (``trainer_packing="off"``) and as a shared-prefi
   layout at ~3 GiB resident on a 2-core, shared machine).
 
 The ratio column is estimate / measured (issue 39's goal: within ±15%; docs/performance.md
-gives the last run's, and which shapes fall outside).
-Step times are not printed: peaks do not depend on the machine's load, times do.
+gives the last runs'). A peak moves from run to run (SmolLM2's padded 192-token step:
+1,382-1,524 MiB over eight runs), so compare several. Step times are not printed.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from test_trainer_packing import shaped_groups, tiny_model
 
 from post_training_cookbook.trainer import memory_plan
 from post_training_cookbook.trainer.memory_plan import (
+    MicroBatchShape,
     layers_to_checkpoint,
     plan_memory,
     step_footprint,
@@ -36,6 +38,8 @@ def footprint(
 ) -> memory_plan.StepFootprint:
     return step_footprint(model, device, activation_bytes=activation_bytes, lora_rank=0,
                           trained_parameters=trained_parameter_count(model, 0, ()),
+                          layer_trained_parameters=trained_parameter_count(
+                              model, 0, (), in_layers=True),
                           chunk_tokens=None)  # fmt: skip
 
 
@@ -54,6 +58,65 @@ def test_a_full_weight_kl_reference_counts_against_the_budget() -> None:
                                     trained_parameters=trained_parameter_count(model, 0, ()),
                                     chunk_tokens=None, reference_copy=True)  # fmt: skip
     assert with_reference.state_bytes - footprint(model).state_bytes == weights
+
+
+def test_the_layers_gradients_are_the_decoder_layers_trained_weights_or_adapters() -> None:
+    model = tiny_model("llama")
+    layers = sum(p.numel() for layer in model.model.layers for p in layer.parameters())
+    assert footprint(model).layer_gradient_bytes == 4 * layers  # not the tied embedding's
+    targets = ("q_proj", "lm_head")  # an adapter on the head is not a layer's
+    q = model.model.layers[0].self_attn.q_proj
+    assert trained_parameter_count(model, 8, targets, in_layers=True) == 2 * 8 * (
+        q.in_features + q.out_features
+    )
+
+
+def test_a_lone_micro_batch_peaks_before_the_layers_gradients_exist() -> None:
+    """One micro-batch kept whole: its tensors, or the layers' gradients backward makes as
+    it frees them, whichever is larger; beside a second micro-batch, or with a checkpointed
+    layer (rebuilt after the layers above made theirs), the whole state."""
+    model = tiny_model("llama")
+    model_footprint = footprint(model)
+    late = model_footprint.layer_gradient_bytes
+    runtime = memory_plan.RUNTIME_BYTES
+    state = model_footprint.state_bytes
+    slack = memory_plan.HEAP_SLACK_ONE_MICRO_BATCH
+    large = MicroBatchShape(tokens=4096, trained=2048, keys=256)
+    tensors = int(slack * model_footprint.micro_batch_bytes(large))
+    assert tensors > late
+    assert model_footprint.step_bytes([large]) == state - late + runtime + tensors
+    small = MicroBatchShape(tokens=1, trained=1, keys=1)
+    assert int(slack * model_footprint.micro_batch_bytes(small)) < late
+    assert model_footprint.step_bytes([small]) == state + runtime
+    two = model_footprint.step_bytes([large, small])
+    assert two == state + runtime + int(
+        memory_plan.HEAP_SLACK * model_footprint.micro_batch_bytes(large)
+    )
+    checkpointed = replace(large, checkpointed_layers=1)
+    assert model_footprint.step_bytes([checkpointed]) == state + runtime + int(
+        slack * model_footprint.micro_batch_bytes(checkpointed)
+    )
+
+
+def test_a_chunk_s_logits_mapped_on_their_own_take_no_heap_slack() -> None:
+    """At SmolLM2's vocabulary a 256-position chunk's logits take 48 MiB, which glibc maps
+    on their own; a 64-position chunk's 12 MiB sit in the heap, with its slack."""
+    smollm2_head = replace(footprint(tiny_model("llama")), logit_row_bytes=4 * 49152)
+    for positions, mapped in ((256, True), (64, False)):
+        batch = MicroBatchShape(tokens=1024, trained=positions, keys=256, chunk_tokens=256)
+        chunk = positions * 4 * smollm2_head.logit_row_bytes  # four tensors
+        rest = smollm2_head.micro_batch_bytes(batch) - chunk
+        held = int(memory_plan.HEAP_SLACK * (rest if mapped else rest + chunk))
+        assert smollm2_head.held_bytes(batch, 2) == held + (chunk if mapped else 0)
+
+
+def test_a_lora_trainer_s_frozen_head_keeps_three_vocabulary_tensors_of_a_chunk() -> None:
+    def vocab_tensors(use_lora: bool) -> int:
+        trainer = Trainer(tiny_model("llama"), use_lora=use_lora, micro_batch_tokens=256,
+                          gradient_checkpointing=False, autocast_bf16=False)  # fmt: skip
+        return trainer.footprint.vocab_tensors
+
+    assert (vocab_tensors(True), vocab_tensors(False)) == (3, 4)
 
 
 def plan(model: transformers.PreTrainedModel, device: torch.device = CPU) -> memory_plan.MemoryPlan:

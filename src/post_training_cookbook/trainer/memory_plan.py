@@ -9,11 +9,13 @@ share, and one micro-batch's tensors: the activations its decoder layers keep fo
 outputs, the norms' inputs; with checkpointing only a layer's input, and one layer rebuilt
 at a time), autocast's bf16 copies of the weights, and one log-probability chunk's
 vocabulary-sized tensors; on a CPU as the heap holds them (``HEAP_SLACK``: glibc's heap
-keeps the holes that freed temporaries leave, 1.2-1.7× the tensors' bytes). The estimate
-was 0.9 GiB a 1k tokens for SmolLM2 against 1.3 GiB measured (issue 39), from counting
-saved tensors alone; on the shapes of ``benchmarks/memory_plan.py`` it now reads 1.01-1.20×
-the measured peak, over rather than under (docs/performance.md, "The memory plan against
-the resident set", says which shapes fall outside ±15%).
+keeps the holes that freed temporaries leave, 1.2-1.7× the tensors' bytes, but not of a
+chunk's tensors it maps on their own, ``MMAP_THRESHOLD_BYTES``). A step of one micro-batch
+kept whole peaks before its decoder layers' gradients exist (``StepFootprint.step_bytes``).
+The estimate was 0.9 GiB a 1k tokens for SmolLM2 against 1.3 GiB measured (issue 39), from
+counting saved tensors alone; on the shapes of ``benchmarks/memory_plan.py`` it reads
+0.91-1.12× the measured peak over three runs (docs/performance.md, "The memory plan
+against the resident set"; ``benchmarks/step_memory_split.py`` splits the resident set).
 
 The plan aims at the device's *target* micro-batch: on a CPU ``CPU_MICRO_BATCH_TOKENS``
 (2,048: a CPU processes a token no faster in a larger micro-batch, and at 8k tokens it was
@@ -42,6 +44,7 @@ is one micro-batch, above the padded one's peak (docs/performance.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -81,11 +84,20 @@ class MemoryPlan:
 
 
 RUNTIME_BYTES = 48 * 2**20
-"""What a trainer's first step adds beside tensors (oneDNN's kernels and caches, autograd's
-and the allocator's own structures): the bundled model's step on 32 tokens grew the resident
-set by 106-110 MiB, of which its gradients and AdamW moments are 52 MiB and the autocast
-copies of its weights 8 MiB (docs/performance.md, "The memory plan against the resident
-set"). On a CPU only: CUDA's peak (``max_memory_allocated``) counts tensors."""
+"""What a trainer's first step adds beside tensors: allocations it keeps (MKL's pool of GEMM
+buffers, a set a thread; ``MKL_DISABLE_FAST_MM=1`` frees them) and memory outside malloc
+(OpenMP's threads, oneDNN's JIT kernels: 5-7 MiB). Measured after the first step with
+glibc's ``mallinfo2``, less the state, at 2 torch threads (``benchmarks/step_memory_split.py``):
+30-36 MiB on the bundled model (6 shapes, 32-2,816 tokens), 57-60 MiB on SmolLM2-135M's
+shape at 2 layers past 128 trained positions (its head's fp32 matmuls over a 49k vocabulary
+leave ~27 MiB more of MKL's buffers); 48 MiB is between (docs/performance.md, "The memory
+plan against the resident set"). On a CPU only: CUDA's peak counts tensors."""
+
+MMAP_THRESHOLD_BYTES = 32 * 2**20
+"""glibc maps an allocation of this size or more on pages of its own and unmaps them when
+it is freed (mallopt(3): the dynamic mmap threshold's ceiling on 64-bit), so the heap keeps
+no hole of it. SmolLM2's chunk of 256 positions: three 48 MiB tensors, 144 MiB above the
+resident set at the end of forward, every byte of it returned after (docs/performance.md)."""
 
 HEAP_SLACK_ONE_MICRO_BATCH = 1.2
 """``HEAP_SLACK`` for a step of one micro-batch: no heap left behind by one before it."""
@@ -146,11 +158,19 @@ class StepFootprint:
     """Gradients and AdamW's moments (and bf16's fp32 masters) of the trained weights: they
     appear during the first step, after the budget was measured (so does a full-weight KL
     reference's copy of the weights, counted here too)."""
+    layer_gradient_bytes: int
+    """The decoder layers' gradients, part of ``state_bytes``: backward makes each layer's as
+    it frees that layer's activations, so a step of one micro-batch kept whole peaks before
+    any exists (``step_bytes``). The head's (a tied embedding's) exist from its backward on."""
     head_position_bytes: int
     """The trained positions' gathered hidden states and what the head keeps of each."""
-    chunk_position_bytes: int
-    """The vocabulary-sized fp32 tensors of one log-probability chunk (logits, log-softmax,
-    probabilities, their gradient), a position of the chunk."""
+    logit_row_bytes: int
+    """A position's fp32 logits: one vocabulary-wide row."""
+    vocab_tensors: int
+    """The vocabulary-sized fp32 tensors of one log-probability chunk alive at once: four
+    where the head trains or is not a plain fp32 linear (logits, log-softmax, probabilities,
+    their gradient), three through a frozen one (``frozen_head.py``: logits, probabilities,
+    their product; ``with_frozen_head``)."""
     chunk_tokens: int | None
     math_attention: bool
     """The trainer's CPU attention: short rows take the math path (``attention.py``)."""
@@ -169,19 +189,31 @@ class StepFootprint:
         kept = (self.layers - checkpointed + rebuilt) * per_layer + batch.tokens * (
             checkpointed * self.checkpointed_token_bytes + self.outside_token_bytes
         )
-        chunk = (
-            batch.trained if batch.chunk_tokens is None else min(batch.trained, batch.chunk_tokens)
-        )
-        head = batch.trained * self.head_position_bytes + chunk * self.chunk_position_bytes
+        head = batch.trained * self.head_position_bytes + self._chunk_bytes(batch)
         return kept + head + self.weight_copy_bytes
+
+    def held_bytes(self, batch: MicroBatchShape, micro_batches: int) -> int:
+        """``micro_batch_bytes`` as the process holds them in a step of ``micro_batches``:
+        on a CPU with the heap's slack, but for a chunk's vocabulary-sized tensors where glibc
+        maps each on its own (``MMAP_THRESHOLD_BYTES``)."""
+        mapped = self._chunk_bytes(batch) if self._chunk_mapped(self._chunk(batch)) else 0
+        return int(self._slack(micro_batches) * (self.micro_batch_bytes(batch) - mapped)) + mapped
 
     def step_bytes(self, micro_batches: Sequence[MicroBatchShape]) -> int:
         """The estimated peak a step adds to the loaded trainer: the training state, the
-        runtime's first-step share, and the largest micro-batch as the heap holds it."""
+        runtime's first-step share, and the largest micro-batch as the heap holds it.
+
+        A step of one micro-batch with no layer checkpointed peaks where its backward
+        starts, before the decoder layers' gradients exist (then the larger of its tensors
+        and those gradients); a later micro-batch runs beside the earlier ones' gradients,
+        and a checkpointed layer is rebuilt after the layers above made theirs."""
         if not micro_batches:
             return self.state_bytes
-        largest = max(self.micro_batch_bytes(batch) for batch in micro_batches)
-        return self.state_bytes + self._runtime() + int(self._slack(len(micro_batches)) * largest)
+        tensors = max(self.held_bytes(batch, len(micro_batches)) for batch in micro_batches)
+        if len(micro_batches) == 1 and micro_batches[0].checkpointed_layers == 0:
+            late = self.layer_gradient_bytes
+            return self.state_bytes - late + self._runtime() + max(tensors, late)
+        return self.state_bytes + self._runtime() + tensors
 
     def token_bytes(self, checkpointing: bool) -> int:
         """A token of a padded micro-batch of short rows (the most a token keeps: every
@@ -198,9 +230,28 @@ class StepFootprint:
     def tokens_fitting(self, budget: int, checkpointing: bool) -> int:
         """The largest micro-batch (of several) whose step fits ``budget`` bytes."""
         chunk = self.chunk_tokens or MAX_LOGPROB_CHUNK_TOKENS
-        fixed = self.weight_copy_bytes + chunk * self.chunk_position_bytes
-        room = (budget - self.state_bytes - self._runtime()) / self._slack(2) - fixed
+        chunk_bytes = chunk * self.vocab_tensors * self.logit_row_bytes
+        mapped = chunk_bytes if self._chunk_mapped(chunk) else 0
+        fixed = self.weight_copy_bytes + chunk_bytes - mapped
+        room = (budget - self.state_bytes - self._runtime() - mapped) / self._slack(2) - fixed
         return max(0, int(room // self.token_bytes(checkpointing)))
+
+    def with_frozen_head(self) -> StepFootprint:
+        """This footprint for a trainer whose log-probabilities go through a frozen fp32 head
+        (known once LoRA froze it, after the plan, which counted four tensors)."""
+        return dataclasses.replace(self, vocab_tensors=3)
+
+    def _chunk(self, batch: MicroBatchShape) -> int:
+        """The positions of its one log-probability chunk."""
+        return (
+            batch.trained if batch.chunk_tokens is None else min(batch.trained, batch.chunk_tokens)
+        )
+
+    def _chunk_bytes(self, batch: MicroBatchShape) -> int:
+        return self._chunk(batch) * self.vocab_tensors * self.logit_row_bytes
+
+    def _chunk_mapped(self, positions: int) -> bool:
+        return self.heap_slack and positions * self.logit_row_bytes >= MMAP_THRESHOLD_BYTES
 
     def _math_path(self, keys: int) -> bool:
         return self.math_attention and keys <= MATH_MAX_KEYS
@@ -267,13 +318,15 @@ def step_footprint(
     trained_parameters: int,
     lora_rank: int,
     chunk_tokens: int | None,
+    layer_trained_parameters: int = 0,
     reference_copy: bool = False,
 ) -> StepFootprint:
     """The model's ``StepFootprint`` as the trainer runs it: ``activation_bytes`` 2 under
     autocast or with bf16 weights, ``trained_parameters`` (the adapter's with LoRA, else
-    every weight), ``lora_rank`` 0 for full weight. ``reference_copy``: a full-weight KL
-    reference is copied from the weights after the free memory was read, so its bytes are
-    the budget's too."""
+    every weight), ``layer_trained_parameters`` those of them inside the decoder layers
+    (0: every gradient counted at the peak), ``lora_rank`` 0 for full weight.
+    ``reference_copy``: a full-weight KL reference is copied from the weights after the free
+    memory was read, so its bytes are the budget's too."""
     config = model.config.get_text_config()
     weight_bytes = next(model.parameters()).element_size()
     hidden, heads, vocab = config.hidden_size, config.num_attention_heads, config.vocab_size
@@ -299,12 +352,12 @@ def step_footprint(
         outside_token_bytes=2 * weight_bytes * hidden,
         weight_copy_bytes=activation_bytes * decoder_weights if autocast_copies else 0,
         state_bytes=state,
+        layer_gradient_bytes=layer_trained_parameters * weight_bytes,
         # The gathered hidden state, and the head's kept fp32 row (its input's checkpoint, or
         # the frozen head's gradient).
         head_position_bytes=2 * 4 * hidden,
-        # Logits, log-softmax (or probabilities) and their products/gradients: four fp32
-        # vocabulary-wide rows a position at once.
-        chunk_position_bytes=4 * 4 * vocab,
+        logit_row_bytes=4 * vocab,
+        vocab_tensors=4,  # (three through a frozen head: with_frozen_head)
         chunk_tokens=chunk_tokens,
         math_attention=device.type == "cpu",
         heap_slack=device.type == "cpu",
@@ -312,16 +365,27 @@ def step_footprint(
 
 
 def trained_parameter_count(
-    model: PreTrainedModel, lora_rank: int, lora_targets: Sequence[str]
+    model: PreTrainedModel,
+    lora_rank: int,
+    lora_targets: Sequence[str],
+    *,
+    in_layers: bool = False,
 ) -> int:
     """Parameters the trainer will train: every one for full weight (``lora_rank`` 0), else
-    the adapter's rank × (in + out) for each targeted linear (before peft injects it)."""
+    the adapter's rank × (in + out) for each targeted linear (before peft injects it).
+    ``in_layers``: only those inside the decoder layers (``StepFootprint.layer_gradient_bytes``)."""
+    roots: list[torch.nn.Module] = (
+        [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        if in_layers
+        else [model]
+    )
     if lora_rank == 0:
-        return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for root in roots for p in root.parameters())
     targets = set(lora_targets)
     return sum(
         lora_rank * (module.in_features + module.out_features)
-        for name, module in model.named_modules()
+        for root in roots
+        for name, module in root.named_modules()
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
     )
 

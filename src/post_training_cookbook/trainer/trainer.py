@@ -60,6 +60,7 @@ from post_training_cookbook.models.loading import (
     load_tokenizer_if_any,
 )
 from post_training_cookbook.trainer import attention, checkpoints, linear_attention
+from post_training_cookbook.trainer.frozen_head import frozen_fp32_head
 from post_training_cookbook.trainer.logprobs import (
     MicroBatch,
     TokenLogprobs,
@@ -207,6 +208,9 @@ class Trainer:
             base, self.device,
             activation_bytes=2 if autocast_bf16 or self.precision == "bf16" else 4,
             trained_parameters=trained_parameter_count(base, adapter_rank, lora_target_modules),
+            layer_trained_parameters=trained_parameter_count(
+                base, adapter_rank, lora_target_modules, in_layers=True
+            ),
             lora_rank=adapter_rank, chunk_tokens=self.logprob_chunk_tokens,
             reference_copy=reference_model and not use_lora,
         )  # fmt: skip
@@ -235,6 +239,9 @@ class Trainer:
         self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
         if self._shards is not None:  # (the KL reference too)
             self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
+        if self._scorer.route == "head" and frozen_fp32_head(base) is not None:
+            # Checked as the scorer checks it: once LoRA froze the head and FSDP wrapped it.
+            self.footprint = self.footprint.with_frozen_head()
         self._has_reference, self._version = reference_model, 0
         self._optimizer = self._new_optimizer()
         self._zero_grad()  # no gradients yet
