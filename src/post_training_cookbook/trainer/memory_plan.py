@@ -232,7 +232,7 @@ class StepFootprint:
     def tokens_fitting(self, budget: int, checkpointing: bool) -> int:
         """The largest micro-batch (of several) whose step fits ``budget`` bytes."""
         chunk = self.chunk_tokens or MAX_LOGPROB_CHUNK_TOKENS
-        chunk_bytes = chunk * self.vocab_tensors * self.logit_row_bytes
+        chunk_bytes = self._vocab_bytes(chunk)
         mapped = chunk_bytes if self._chunk_mapped(chunk) else 0
         fixed = self.weight_copy_bytes + chunk_bytes - mapped
         room = (budget - self.state_bytes - self._runtime() - mapped) / self._slack(2) - fixed
@@ -250,7 +250,11 @@ class StepFootprint:
         )
 
     def _chunk_bytes(self, batch: MicroBatchShape) -> int:
-        return self._chunk(batch) * self.vocab_tensors * self.logit_row_bytes
+        return self._vocab_bytes(self._chunk(batch))
+
+    def _vocab_bytes(self, positions: int) -> int:
+        """A chunk of ``positions``' vocabulary-sized tensors alive at once."""
+        return positions * self.vocab_tensors * self.logit_row_bytes
 
     def _chunk_mapped(self, positions: int) -> bool:
         return self.heap_slack and positions * self.logit_row_bytes >= MMAP_THRESHOLD_BYTES
