@@ -84,3 +84,32 @@ def test_engine_releases_its_callers_pool_only_when_it_computes_with_more_thread
     assert calls == []  # a 1-thread worker has no pool: the caller's spins alone
     LocalEngine(model, num_threads=2).shutdown()
     assert calls == [1]
+
+
+def test_an_idle_engine_asked_to_release_memory_releases_its_own_pool(
+    monkeypatch: pytest.MonkeyPatch, torch_threads: Callable[[int], None]
+) -> None:
+    """A lockstep trainer asks the idle engine to release memory before it steps: the
+    worker's idle pool goes too, or its threads beside the trainer's would make the process
+    hold more OpenMP threads than cores (SmolLM2's shape: train phase 11.3 -> 15.0 s)."""
+    import threading
+    import time
+
+    model = tiny_model()
+    callers: list[str] = []
+    monkeypatch.setattr(
+        engine_local,
+        "release_idle_openmp_pool",
+        lambda: callers.append(threading.current_thread().name),
+    )
+    torch_threads(2)
+    engine = LocalEngine(model, num_threads=2)
+    try:
+        assert callers == [threading.current_thread().name]  # the constructor: the caller's
+        engine.release_memory()
+        deadline = time.monotonic() + 10.0
+        while len(callers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(callers) == 2 and callers[1] != threading.current_thread().name
+    finally:
+        engine.shutdown()

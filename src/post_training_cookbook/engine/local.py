@@ -40,9 +40,11 @@ process holds more OpenMP threads than CPUs, libgomp cuts the spin-wait of idle 
 to almost nothing, so every small parallel op pays a futex wake-up (``engine/threads.py``
 has the measurements). A decode step is hundreds of small ops, so: when the worker computes
 with more than one thread, the constructor releases the calling thread's idle pool (torch
-starts it again when that thread next runs a parallel op), and beside a trainer
-(``LocalModelService``) the engine takes a share of the CPUs instead of all of them. The
-count applies to the worker thread only; the caller's stays as it was.
+starts it again when that thread next runs a parallel op); beside a trainer that steps at
+the same time (``LocalModelService`` in an async run) the engine takes a share of the CPUs
+instead of all of them; and when asked to release memory (a lockstep trainer is about to
+step) the idle worker releases its own pool too. The count applies to the worker thread
+only; the caller's stays as it was.
 
 Prefix reuse. When a sequence finishes, its KV (prompt + tokens but the last) goes to an
 LRU cache tagged with the weights version; a later prompt sharing a prefix with an entry of
@@ -328,6 +330,9 @@ class LocalEngine:
                     return update, requests
                 if self._release_asked:  # idle, and nothing else touches the decoder now
                     self._decoder.release_memory()
+                    # The trainer computes next: idle pool threads here would make the
+                    # process hold more OpenMP threads than cores (engine/threads.py)
+                    release_idle_openmp_pool()
                     self._release_asked = False
                 self._cv.wait()
             return None
