@@ -25,9 +25,14 @@ import time
 from collections.abc import Callable
 
 import torch
+from packing import SMOLLM2_135M
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB, KV = 576, 1536, 30, 49152, 192
-"""SmolLM2-135M: 9 query heads and 3 key/value heads of 64."""
+_SHAPE = {key: value for key, value in SMOLLM2_135M.items() if isinstance(value, int)}
+HIDDEN, INTERMEDIATE, LAYERS, VOCAB = (
+    _SHAPE[key] for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+)
+KV = HIDDEN // _SHAPE["num_attention_heads"] * _SHAPE["num_key_value_heads"]
+"""Width of the key and value projections (3 heads of 64)."""
 
 
 def matrices(dtype: torch.dtype) -> list[torch.Tensor]:

@@ -208,19 +208,26 @@ def print_model(name: str, work: Work, rows: dict[tuple[str, str], dict[str, Any
             )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=("bundled", "smollm2"), default=["bundled"])
-    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    parser.add_argument("--tasks", type=int, default=8, help="tasks (groups) a step")
-    parser.add_argument("--group", type=int, default=8, help="episodes a task")
-    parser.add_argument("--steps", type=int, default=4, help="steps; the first is not timed")
+def add_work_options(
+    parser: argparse.ArgumentParser, tasks: int = 8, group: int = 8, steps: int = 4
+) -> None:
+    """The options ``build_work`` reads (``trl_grpo_profile.py`` takes the same work)."""
+    parser.add_argument("--tasks", type=int, default=tasks, help="tasks (groups) a step")
+    parser.add_argument("--group", type=int, default=group, help="episodes a task")
+    parser.add_argument("--steps", type=int, default=steps, help="steps; the first is not timed")
     parser.add_argument("--max-turns", type=int, default=6)
     parser.add_argument("--max-tokens-per-turn", type=int, default=256)
     parser.add_argument("--max-model-length", type=int, default=2048)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full weights)")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", choices=("bundled", "smollm2"), default=["bundled"])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    add_work_options(parser)
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--work", help=argparse.SUPPRESS)

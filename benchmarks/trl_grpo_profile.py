@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from trl_grpo import SETTINGS, build_work
+from trl_grpo import SETTINGS, add_work_options, build_work
 from trl_grpo_sides import run_ours
 
 from post_training_cookbook.engine.decoder import Decoder
@@ -31,26 +31,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", choices=("bundled", "smollm2"), default="smollm2")
     parser.add_argument("--setting", choices=list(SETTINGS), default="bf16-ckpt")
-    parser.add_argument("--tasks", type=int, default=2)
-    parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=2)
+    add_work_options(parser, tasks=2, group=4, steps=2)
     parser.add_argument("--phase", choices=("train", "rollout"), default="train")
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--top", type=int, default=15)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    work_args = argparse.Namespace(
-        tasks=args.tasks, group=args.group, steps=args.steps, max_turns=6,
-        max_tokens_per_turn=256, max_model_length=2048, learning_rate=2e-4, lora=0,
-        seed=args.seed,
-    )  # fmt: skip
     profiler = profile(activities=[ProfilerActivity.CPU])
     if args.phase == "train":
         profile_train(profiler, args.steps)
     else:
         profile_rollout(profiler, args.decode_steps)
     with tempfile.TemporaryDirectory() as scratch:
-        work = build_work(work_args, args.models, Path(scratch))
+        work = build_work(args, args.models, Path(scratch))
         run_ours(work, SETTINGS[args.setting], scratch)
     averages = profiler.key_averages()
     total = sum(event.self_cpu_time_total for event in averages) / 1e6

@@ -237,10 +237,12 @@ def bfcl_sft(out: Path) -> dict:
 
 GRPO_RUN = "grpo" if SEED == 0 else f"grpo_seed{SEED}"
 """The GRPO stage's run folder: ``--seed N`` adds another run."""
-GRPO_STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 12
+RECIPE_STEPS = 12
+"""GRPO's steps in the recipe as it runs by default (both seeds' runs in the docs)."""
+GRPO_STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else RECIPE_STEPS
 """``--steps N``: continue the run folder to N steps from its newest checkpoint (the LR is
 constant, so the longer run is the one that would have run N steps from the start)."""
-GRPO_STAGE = GRPO_RUN if GRPO_STEPS == 12 else f"{GRPO_RUN}_{GRPO_STEPS}steps"
+GRPO_STAGE = GRPO_RUN if GRPO_STEPS == RECIPE_STEPS else f"{GRPO_RUN}_{GRPO_STEPS}steps"
 """The GRPO stages' names: ``grpo``, ``eval_grpo``, ...; with ``--steps N`` ``grpo_Nsteps``,
 ``eval_grpo_Nsteps``, ..., so the 12-step run's scores stay beside the longer run's."""
 
