@@ -43,7 +43,9 @@ included), trained tokens, seconds a step, trained tokens per second, the peak o
 above what the built trainer held, the first step's loss, and ``grad Δ``: the relative
 difference ‖g − g_off‖ / ‖g_off‖ of the first step's gradients from the padded layout's,
 which says whether a layout computes the same update (within 1e-4 in fp32, 3e-2 under bf16
-autocast: a larger one is reported, and the run exits with status 1). Ratios are to
+autocast: a larger one is reported, and the run exits with status 1; ``--keep-grads`` and
+``--reference-grads`` measure how far bf16 itself moves each layout's gradient from the fp32
+padded one, the scale a bf16 gap between layouts is judged by). Ratios are to
 ``off`` (padded rows). The peak is the process's peak resident set (``VmHWM``) over
 the warm-up and measured steps minus the resident set once the trainer is built (CPU), or
 the peak allocated above the allocated weights (CUDA): the warm-up step is counted because
@@ -64,6 +66,7 @@ import importlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -324,6 +327,19 @@ def main() -> None:
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--logprob-chunk-tokens", type=int, help="default: the trainer's")
     parser.add_argument("--fp32", action="store_true", help="no bf16 autocast")
+    parser.add_argument(
+        "--keep-grads",
+        type=Path,
+        metavar="DIR",
+        help="save each layout's first-step gradient: DIR/<shape or batch>_<layout>_<fp32|bf16>.pt",
+    )
+    parser.add_argument(
+        "--reference-grads",
+        type=Path,
+        metavar="DIR",
+        help="also print each layout's distance from DIR/<shape or batch>_off_fp32.pt (a --fp32 "
+        "--keep-grads run's padded gradient): how far bf16 moves the update",
+    )
     for hidden in ("--shape", "--mode", "--batch", "--fill", "--grads"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--fill-only", action="store_true", help=argparse.SUPPRESS)
@@ -373,6 +389,11 @@ def main() -> None:
                 row = rows[mode] = Row(**json.loads(output.strip().splitlines()[-1]))
                 plain = rows[modes[0]]
                 delta = gradient_difference(grads, work / f"grads{number}_{modes[0]}.pt")
+                label = Path(which[1]).name.removesuffix(".json.gz")
+                precision = "fp32" if args.fp32 else "bf16"
+                if args.keep_grads is not None:
+                    args.keep_grads.mkdir(parents=True, exist_ok=True)
+                    shutil.copy(grads, args.keep_grads / f"{label}_{mode}_{precision}.pt")
                 same = delta <= SAME_UPDATE[row.autocast_bf16]
                 differ |= not same
                 print(
@@ -383,6 +404,10 @@ def main() -> None:
                     f"{row.peak_step_bytes / max(plain.peak_step_bytes, 1):7.2f}  {row.settings}",
                     flush=True,
                 )
+                reference = args.reference_grads and args.reference_grads / f"{label}_off_fp32.pt"
+                if reference and reference.exists():
+                    far = gradient_difference(grads, reference)
+                    print(f"{'':36}{precision} {mode} from the fp32 padded gradient: {far:.1e}")
     if differ:
         sys.exit("a layout's gradients differ from the padded layout's (marked !)")
 

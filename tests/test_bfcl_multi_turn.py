@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -134,6 +135,53 @@ def test_rewards_entry_or_turn_shares_and_a_wrong_turn_fails_only_itself():
     assert sum(rewards) == pytest.approx(sum(v.valid for v in env.turn_verdicts) / len(entry.turns))
     env = asyncio.run(run("entry"))
     assert rewards[-1] == 0.0 and set(rewards) == {0.0}
+
+
+def test_calls_reward_credits_each_right_call_and_is_whole_only_on_a_valid_turn():
+    """``reward="calls"``: a turn that drops the last of its ground-truth calls fails BFCL's
+    checks but earns a share for what it got right; a valid turn earns exactly what
+    ``"turns"`` pays; the rewards sum to the turns' credits over T."""
+    entries = load_multi_turn_entries(["multi_turn_base"])
+    entry, turn = next(
+        (e, k) for e in entries for k, calls in enumerate(e.ground_truth) if len(calls) >= 3
+    )
+    player = GroundTruthPlayer([entry], max_steps_per_turn=1)  # a turn's calls in one reply
+
+    def drop_last_call_of_the_turn(messages: list[Message]) -> Message:
+        reply = player.next_message(messages)
+        user_turn = sum(m["role"] == "user" for m in messages) - 1
+        if user_turn == turn and reply.get("tool_calls"):
+            reply["tool_calls"] = reply["tool_calls"][:-1]
+        return reply
+
+    async def run(reward: str) -> tuple[BFCLMultiTurnEnv, list[float]]:
+        env = BFCLMultiTurnEnv(reward=reward)  # type: ignore[arg-type]
+        messages, rewards = await env.reset(entry.to_task()), []
+        while True:
+            result = await env.step(drop_last_call_of_the_turn(messages))
+            rewards.append(result.reward)
+            messages = result.messages
+            if result.terminated:
+                await env.close()
+                return env, rewards
+
+    env, rewards = asyncio.run(run("calls"))
+    verdicts = env.turn_verdicts
+    assert not verdicts[turn].valid and all(v.valid for v in verdicts[:turn])
+    checks = len(entry.ground_truth[turn]) + 1  # one per ground-truth result, and the state
+    credit = verdicts[turn].graded
+    assert 1 <= round(credit * checks) <= checks - 1  # the kept calls' results are found
+    assert credit * checks == pytest.approx(round(credit * checks))
+    assert [v.graded for v in verdicts if v.valid] == [1.0] * sum(v.valid for v in verdicts)
+    turn_ends = [r for r in rewards if r != 0.0]
+    assert turn_ends[: turn + 1] == pytest.approx(
+        [1 / len(entry.turns)] * turn + [credit / len(entry.turns)]
+    )
+    assert sum(rewards) == pytest.approx(sum(v.graded for v in verdicts) / len(entry.turns))
+    assert env._metrics()["bfcl_mt_turn_credit"] == pytest.approx(sum(rewards))
+    turns_env, turns_rewards = asyncio.run(run("turns"))
+    assert [v.valid for v in turns_env.turn_verdicts] == [v.valid for v in verdicts]
+    assert sum(rewards) > sum(turns_rewards)
 
 
 def test_held_back_functions_arrive_at_their_turn_in_bfcls_words():
@@ -517,6 +565,19 @@ def test_a_longer_grpo_run_keeps_the_12_step_runs_stage_names(monkeypatch):
     assert {"bfcl_grpo_18steps", "report_grpo_18steps", "plots_grpo_18steps"} <= stages
     assert not stages & {"grpo", "eval_grpo", "report", "eval_grpo_miss_param"}
     assert "num_steps=GRPO_STEPS" in inspect.getsource(recipe.grpo)
+
+
+def test_the_calls_reward_names_its_stages_apart_and_reaches_the_env(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["multi_turn.py", "--steps", "24", "--reward", "calls"])
+    recipe = _multi_turn_recipe()
+    assert (recipe.GRPO_RUN, recipe.GRPO_STAGE) == ("grpo", "grpo_24steps_calls")
+    assert {"grpo_24steps_calls", "eval_grpo_24steps_calls_miss_func"} <= set(
+        recipe.STAGE_FUNCTIONS
+    )
+    assert recipe.env_factory(None).reward == "calls"
+    monkeypatch.setattr(sys, "argv", ["multi_turn.py", "--reward", "entry"])
+    with pytest.raises(SystemExit, match="--reward must be turns or calls"):
+        _multi_turn_recipe()
 
 
 def test_demonstrations_of_the_ground_truth_carry_each_entrys_tools(tmp_path):

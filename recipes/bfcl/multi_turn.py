@@ -5,6 +5,7 @@
     python recipes/bfcl/multi_turn.py [OUT_DIR]               # default runs/bfcl_multi_turn
     python recipes/bfcl/multi_turn.py OUT_DIR --seed 1        # a second GRPO seed
     python recipes/bfcl/multi_turn.py OUT_DIR --steps 18      # continue GRPO to 18 steps
+    python recipes/bfcl/multi_turn.py OUT_DIR --steps 27 --reward calls  # ... on per-call credit
 
 Model: Qwen2.5-Coder-0.5B-Instruct, whose weights here are a dequantised Q4_K_M GGUF
 (``qwen_coder.py``); every stage but ``zero_shot`` starts from it with its untrained
@@ -78,10 +79,16 @@ BFCL_LIMIT = 10
 """The first 10 items of each BFCL single-turn AST category, greedy."""
 BFCL_CATEGORIES = "bfcl:simple_python,multiple,parallel,parallel_multiple"
 SEED = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 0
+REWARD = sys.argv[sys.argv.index("--reward") + 1] if "--reward" in sys.argv else "turns"
+"""GRPO's reward (``BFCLMultiTurnEnv``): ``turns`` pays a turn when BFCL's checks pass it;
+``--reward calls`` also pays a failed turn a share for each ground-truth result its calls
+produced and for a right state. Scores read BFCL's per-turn verdicts under either."""
+if REWARD not in ("turns", "calls"):
+    sys.exit(f"--reward must be turns or calls, got {REWARD!r}")
 
 
 def env_factory(task):
-    return BFCLMultiTurnEnv(reward="turns", max_steps_per_turn=6)
+    return BFCLMultiTurnEnv(reward=REWARD, max_steps_per_turn=6)  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -243,8 +250,11 @@ GRPO_STEPS = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.ar
 """``--steps N``: continue the run folder to N steps from its newest checkpoint (the LR is
 constant, so the longer run is the one that would have run N steps from the start)."""
 GRPO_STAGE = GRPO_RUN if GRPO_STEPS == RECIPE_STEPS else f"{GRPO_RUN}_{GRPO_STEPS}steps"
+GRPO_STAGE += "" if REWARD == "turns" else f"_{REWARD}"
 """The GRPO stages' names: ``grpo``, ``eval_grpo``, ...; with ``--steps N`` ``grpo_Nsteps``,
-``eval_grpo_Nsteps``, ..., so the 12-step run's scores stay beside the longer run's."""
+``eval_grpo_Nsteps``, ..., so the 12-step run's scores stay beside the longer run's; with
+``--reward calls`` ``grpo_Nsteps_calls``, ... (the run folder is the same: the steps past its
+newest checkpoint are the ones trained on that reward, which the stage's JSON records)."""
 
 
 def grpo(out: Path) -> dict:
@@ -280,8 +290,14 @@ def grpo(out: Path) -> dict:
         env_errors="truncate",
         wandb_project=None,
     )
+    start = newest_checkpoint(out / name) if (out / name).exists() else None
     run = train_multi_turn(config, [entry.to_task() for entry in entries("train")], env_factory)
-    return {"run_dir": str(run.path), "final_model": str(run.final_model_dir)}
+    return {
+        "run_dir": str(run.path),
+        "final_model": str(run.final_model_dir),
+        "reward": REWARD,
+        "resumed_from": start.name if start is not None else None,
+    }
 
 
 def grpo_model(out: Path) -> tuple[str, int | None]:
@@ -439,8 +455,8 @@ def plots(out: Path) -> dict:
     steps = [record["step"] for record in records]
     series = {
         "entry accuracy of the step's episodes": "rollout/env/bfcl_mt_entry_valid",
-        # the training reward: an episode's per-turn shares sum to its per-turn accuracy
-        "reward: per-turn accuracy of the step's episodes": "rollout/env/bfcl_mt_turn_accuracy",
+        # the training reward under "turns": an episode's shares sum to its per-turn accuracy
+        "per-turn accuracy of the step's episodes": "rollout/env/bfcl_mt_turn_accuracy",
         "groups with reward variance": "rollout/zero_variance_skip_ratio",
     }
     figure, axes = plt.subplots(1, 4, figsize=(16, 3.5))

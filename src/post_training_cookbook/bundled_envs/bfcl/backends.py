@@ -21,6 +21,11 @@ where the model made none fails (``empty_turn_model_response``), and a turn with
 (``miss_func``, ``miss_param``: nothing can be done yet) passes only if the model made no
 call (BFCL's ``multi_turn_irrelevance_checker``). The entry's verdict (``check_entry``) is
 BFCL's ``multi_turn_checker`` itself, on the calls recorded turn by turn.
+
+A turn's ``credit`` grades the same checks: of the ground truth's results this turn, those
+``response_checker`` finds among the model's, plus one for a state ``state_checker`` accepts,
+over their count plus one; 0 for a turn the model left without a call it needed, and the
+verdict (1 or 0) for a turn that needs none. It is 1 exactly when the turn is valid.
 """
 
 from __future__ import annotations
@@ -75,6 +80,13 @@ class TurnVerdict:
     valid: bool
     error_type: str | None = None
     """BFCL's error type (``multi_turn:instance_state_mismatch``, ...) when not valid."""
+    credit: float | None = None
+    """The turn's share of BFCL's checks passed (the module's docstring); ``None``: the
+    verdict's own 1 or 0 (an entry's verdict, a forced end)."""
+
+    @property
+    def graded(self) -> float:
+        return float(self.valid) if self.credit is None else self.credit
 
 
 class Backends:
@@ -151,17 +163,19 @@ def check_turn(
     truth_results = truth.run_trusted(truth_calls)
     if not truth_calls:
         if model_called:
-            return TurnVerdict(False, "multi_turn:irrelevance_error:decoder_success")
-        return TurnVerdict(True)
+            return TurnVerdict(False, "multi_turn:irrelevance_error:decoder_success", 0.0)
+        return TurnVerdict(True, credit=1.0)
     if not model_called:
-        return TurnVerdict(False, "multi_turn:empty_turn_model_response")
+        return TurnVerdict(False, "multi_turn:empty_turn_model_response", 0.0)
     state = checker.state_checker(model.instances, truth.instances)
-    if not state["valid"]:
-        return TurnVerdict(False, state.get("error_type"))
     response = checker.response_checker(model.results, truth_results, turn)
+    missing = 0 if response["valid"] else len(response["details"]["missing_items"])
+    credit = (bool(state["valid"]) + len(truth_results) - missing) / (len(truth_results) + 1)
+    if not state["valid"]:
+        return TurnVerdict(False, state.get("error_type"), credit)
     if not response["valid"]:
-        return TurnVerdict(False, response.get("error_type"))
-    return TurnVerdict(True)
+        return TurnVerdict(False, response.get("error_type"), credit)
+    return TurnVerdict(True, credit=credit)
 
 
 def check_entry(entry: MultiTurnEntry, turns: Sequence[Sequence[Sequence[str]]]) -> TurnVerdict:

@@ -19,11 +19,16 @@ turn follows. After the last turn, BFCL's ``multi_turn_checker`` gives the entry
   turn k gets ``1/T`` when turn k passes its checks (T: the entry's turns), so the rewards
   of an episode sum to its per-turn accuracy; train it with ``turn_rewards="per_step"``
   (under the default ``"final"`` only the last turn's share would count).
+  ``reward="calls"``: as ``"turns"``, but a failed turn still earns its ``credit``'s share
+  (``backends.check_turn``: each ground-truth result the model's calls produced, and a right
+  state), so a turn that makes one of its two calls right earns more than one that makes
+  none; a valid turn earns exactly ``1/T`` under both.
 
 Every step's metrics (read from the step that ends the episode): ``bfcl_mt_turns`` (T),
 ``bfcl_mt_turns_valid``, ``bfcl_mt_turn_accuracy`` (valid / T: a turn never reached
-counts as failed), ``bfcl_mt_entry_valid``, ``bfcl_mt_calls``, ``bfcl_mt_refused_calls``
-(calls naming no method of the backends, which run nothing) and ``bfcl_mt_forced_quit``.
+counts as failed), ``bfcl_mt_turn_credit`` (the turns' credits / T), ``bfcl_mt_entry_valid``,
+``bfcl_mt_calls``, ``bfcl_mt_refused_calls`` (calls naming no method of the backends, which
+run nothing) and ``bfcl_mt_forced_quit``.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEn
 from post_training_cookbook.envs.base import Env, StepResult, Task
 from post_training_cookbook.types import Message, ToolSpec
 
-MultiTurnReward = Literal["entry", "turns"]
+MultiTurnReward = Literal["entry", "turns", "calls"]
 FORCED = "multi_turn:force_terminated"
 
 
@@ -51,8 +56,8 @@ class BFCLMultiTurnEnv(Env):
     """A BFCL multi-turn entry as an env; build one per episode (``BFCLMultiTurnEnv()``)."""
 
     def __init__(self, reward: MultiTurnReward = "entry", max_steps_per_turn: int = 20) -> None:
-        if reward not in ("entry", "turns"):
-            raise ValueError(f"reward must be 'entry' or 'turns', got {reward!r}")
+        if reward not in ("entry", "turns", "calls"):
+            raise ValueError(f"reward must be 'entry', 'turns' or 'calls', got {reward!r}")
         if isinstance(max_steps_per_turn, bool) or not isinstance(max_steps_per_turn, int):
             raise TypeError(f"max_steps_per_turn must be an int, got {max_steps_per_turn!r}")
         if max_steps_per_turn < 1:
@@ -98,7 +103,8 @@ class BFCLMultiTurnEnv(Env):
             self.entry_verdict = TurnVerdict(False, FORCED)
             return StepResult(False, True, list(self._messages), metrics=self._metrics())
         verdict = self._finish_turn(entry)
-        reward = verdict.valid / len(entry.turns) if self.reward == "turns" else 0.0
+        turn_share = {"entry": 0.0, "turns": float(verdict.valid), "calls": verdict.graded}
+        reward = turn_share[self.reward] / len(entry.turns)
         turn = len(self.turn_verdicts)
         if turn < len(entry.turns):
             self._recorded.append([])
@@ -156,6 +162,7 @@ class BFCLMultiTurnEnv(Env):
             "bfcl_mt_turns": float(turns),
             "bfcl_mt_turns_valid": float(valid),
             "bfcl_mt_turn_accuracy": valid / turns,
+            "bfcl_mt_turn_credit": sum(verdict.graded for verdict in self.turn_verdicts) / turns,
             "bfcl_mt_entry_valid": float(entry_valid),
             "bfcl_mt_calls": float(self._calls),
             "bfcl_mt_refused_calls": float(self._refused),
