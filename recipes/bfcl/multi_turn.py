@@ -5,7 +5,7 @@
     python recipes/bfcl/multi_turn.py [OUT_DIR]               # default runs/bfcl_multi_turn
     python recipes/bfcl/multi_turn.py OUT_DIR --seed 1        # a second GRPO seed
     python recipes/bfcl/multi_turn.py OUT_DIR --steps 18      # continue GRPO to 18 steps
-    python recipes/bfcl/multi_turn.py OUT_DIR --steps 27 --reward calls  # ... on per-call credit
+    python recipes/bfcl/multi_turn.py OUT_DIR --steps 26 --reward calls  # ... on per-call credit
 
 Model: Qwen2.5-Coder-0.5B-Instruct, whose weights here are a dequantised Q4_K_M GGUF
 (``qwen_coder.py``); every stage but ``zero_shot`` starts from it with its untrained
