@@ -45,12 +45,18 @@ Reply = Message
 Policy = Callable[[list[Message]], Message]
 
 
-async def play(entry: MultiTurnEntry, policy: Policy, **options) -> BFCLMultiTurnEnv:
+async def play(
+    entry: MultiTurnEntry, policy: Policy, rewards: list[float] | None = None, **options
+) -> BFCLMultiTurnEnv:
+    """Play ``entry`` to its end with ``policy``; each step's reward is appended to
+    ``rewards`` when given."""
     env = BFCLMultiTurnEnv(**options)
     messages = await env.reset(entry.to_task())
     try:
         while True:
             result = await env.step(policy(messages))
+            if rewards is not None:
+                rewards.append(result.reward)
             messages = result.messages
             if result.terminated or result.truncated:
                 return env
@@ -116,24 +122,16 @@ def test_rewards_entry_or_turn_shares_and_a_wrong_turn_fails_only_itself():
             return Message(role="assistant", content="Sure.")
         return player.next_message(messages)
 
-    async def run(reward: str) -> BFCLMultiTurnEnv:
-        env = BFCLMultiTurnEnv(reward=reward)  # type: ignore[arg-type]
-        messages = await env.reset(entry.to_task())
+    def run(reward: str) -> BFCLMultiTurnEnv:
         rewards.clear()
-        while True:
-            result = await env.step(skip_turn_one(messages))
-            rewards.append(result.reward)
-            messages = result.messages
-            if result.terminated:
-                await env.close()
-                return env
+        return asyncio.run(play(entry, skip_turn_one, rewards, reward=reward))
 
-    env = asyncio.run(run("turns"))
+    env = run("turns")
     assert env.entry_verdict is not None and not env.entry_verdict.valid
     assert env.turn_verdicts[1].error_type == "multi_turn:empty_turn_model_response"
     assert env.turn_verdicts[0].valid
     assert sum(rewards) == pytest.approx(sum(v.valid for v in env.turn_verdicts) / len(entry.turns))
-    env = asyncio.run(run("entry"))
+    env = run("entry")
     assert rewards[-1] == 0.0 and set(rewards) == {0.0}
 
 
@@ -154,18 +152,13 @@ def test_calls_reward_credits_each_right_call_and_is_whole_only_on_a_valid_turn(
             reply["tool_calls"] = reply["tool_calls"][:-1]
         return reply
 
-    async def run(reward: str) -> tuple[BFCLMultiTurnEnv, list[float]]:
-        env = BFCLMultiTurnEnv(reward=reward)  # type: ignore[arg-type]
-        messages, rewards = await env.reset(entry.to_task()), []
-        while True:
-            result = await env.step(drop_last_call_of_the_turn(messages))
-            rewards.append(result.reward)
-            messages = result.messages
-            if result.terminated:
-                await env.close()
-                return env, rewards
+    def run(reward: str) -> tuple[BFCLMultiTurnEnv, list[float]]:
+        rewards: list[float] = []
+        env = asyncio.run(play(entry, drop_last_call_of_the_turn, rewards, reward=reward))
+        assert len(env.turn_verdicts) == len(entry.turns)  # every turn played to its check
+        return env, rewards
 
-    env, rewards = asyncio.run(run("calls"))
+    env, rewards = run("calls")
     verdicts = env.turn_verdicts
     assert not verdicts[turn].valid and all(v.valid for v in verdicts[:turn])
     checks = len(entry.ground_truth[turn]) + 1  # one per ground-truth result, and the state
@@ -179,7 +172,7 @@ def test_calls_reward_credits_each_right_call_and_is_whole_only_on_a_valid_turn(
     )
     assert sum(rewards) == pytest.approx(sum(v.graded for v in verdicts) / len(entry.turns))
     assert env._metrics()["bfcl_mt_turn_credit"] == pytest.approx(sum(rewards))
-    turns_env, turns_rewards = asyncio.run(run("turns"))
+    turns_env, turns_rewards = run("turns")
     assert [v.valid for v in turns_env.turn_verdicts] == [v.valid for v in verdicts]
     assert sum(rewards) > sum(turns_rewards)
 
