@@ -512,6 +512,44 @@ def test_the_report_adds_each_variant_category_scored_with_both_models(tmp_path)
     assert (wide["entries"], wide["clusters"], wide["gain"]) == (4, 2, pytest.approx(6 / 16))
 
 
+def test_the_longer_stages_score_held_out_entries_past_the_first_bound_and_pool_with_it(tmp_path):
+    """The ``*_longer`` stages score the held-out entries between the two prompt bounds with
+    both models, after both are made; the report pools them with the first bound's entries (a
+    category only where both models were scored at both bounds), scenarios as clusters."""
+    recipe = _multi_turn_recipe()
+    stages = list(recipe.STAGE_FUNCTIONS)
+    for variant in ("", "_miss_param", "_miss_func", "_long_context"):
+        for model in ("sft", "grpo"):
+            stage = recipe.STAGE_FUNCTIONS[f"eval_{model}_longer{variant}"]
+            assert stage.func is recipe.eval_variant and stage.keywords["longer"] is True
+            assert stages.index(f"eval_{model}_longer{variant}") > stages.index("grpo")
+    assert recipe.MAX_PROMPT_TOKENS < recipe.LONGER_PROMPT_TOKENS < recipe.EVAL["max_model_length"]
+
+    def write(stage: str, category: str, valid: dict[int, int]) -> None:
+        entries = {f"multi_turn_{category}_{n}": {"turns": 4, "turns_valid": v} for n, v in
+                   valid.items()}  # fmt: skip
+        (tmp_path / f"{stage}.json").write_text(json.dumps({"per_entry": entries}))
+
+    write("eval_base", "base", {3: 0, 7: 0})
+    write("eval_sft", "base", {3: 0, 7: 0})
+    write("eval_grpo", "base", {3: 4, 7: 0})
+    write("eval_sft_longer", "base", {17: 0})
+    write("eval_grpo_longer", "base", {17: 2})
+    for stage, valid in (("sft", {3: 0}), ("grpo", {3: 4})):
+        write(f"eval_{stage}_miss_param", "miss_param", valid)
+        write(f"eval_{stage}_longer_miss_param", "miss_param", {17: 0})
+        write(f"eval_{stage}_miss_func", "miss_func", valid)  # no longer stages yet
+    report = recipe.report(tmp_path)
+    assert report["grpo_over_sft_wide"]["clusters"] == 2  # the first bound's, as before
+    base = report["grpo_over_sft_to6000"]
+    assert (base["entries"], base["gain"]) == (3, pytest.approx(6 / 12))
+    wide = report["grpo_over_sft_to6000_wide"]
+    assert wide["categories"] == ["base", "miss_param"]
+    assert (wide["entries"], wide["clusters"], wide["gain"]) == (5, 3, pytest.approx(10 / 20))
+    (tmp_path / "eval_grpo_longer.json").unlink()
+    assert not any("to6000" in key for key in recipe.report(tmp_path))
+
+
 def test_the_paired_bfcl_change_compares_the_same_items_from_the_stage_json():
     """BFCL single-turn before/after: each item's verdict is kept in the stage's JSON (the
     eval folder is not carried across machines); only items scored in both count."""

@@ -26,7 +26,10 @@ checkpoints):
 Entries: ``multi_turn_base`` entries whose opening prompt (system, tools and first user
 turn, in Qwen's template) is at most ``MAX_PROMPT_TOKENS`` tokens: the single-backend
 scenarios (file system, trading, travel, vehicle). Train and held-out entries both come
-from that subset, on the fixed split (``bundled_envs/bfcl/multi_turn_data.py``).
+from that subset, on the fixed split (``bundled_envs/bfcl/multi_turn_data.py``). The
+``*_longer`` stages then score, with the same models, the held-out entries whose prompt runs
+past that bound up to ``LONGER_PROMPT_TOKENS`` (two backends each), and ``report`` pools
+them with the first bound's.
 
 One file past 400 lines on purpose: every stage of the run, in the order it runs, with the
 report that compares them, read top to bottom beside ``docs/bfcl_multi_turn.md``'s table.
@@ -57,6 +60,11 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
 from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
 
 MAX_PROMPT_TOKENS = 5200
+LONGER_PROMPT_TOKENS = 6000
+"""The ``*_longer`` stages score the held-out entries whose opening prompt runs past
+``MAX_PROMPT_TOKENS`` up to this (8 scenarios of two backends each: the file system, trading
+bot, messaging and ticket APIs in pairs; at least 2.2k tokens left for the conversation, as
+under the first bound); training stays on the first bound's entries."""
 CATEGORIES = ("multi_turn_base",)
 """Trained on, and scored at every stage."""
 VARIANTS = ("miss_param", "miss_func", "long_context")
@@ -92,17 +100,21 @@ def env_factory(task):
 
 
 @functools.cache
-def entries(split: str, categories: tuple[str, ...] = CATEGORIES) -> list[MultiTurnEntry]:
-    """The subset's entries of ``split`` (the module's docstring)."""
+def entries(
+    split: str, categories: tuple[str, ...] = CATEGORIES, longer: bool = False
+) -> list[MultiTurnEntry]:
+    """The subset's entries of ``split`` (the module's docstring); ``longer``: those whose
+    prompt runs past ``MAX_PROMPT_TOKENS`` up to ``LONGER_PROMPT_TOKENS`` instead."""
     from transformers import AutoTokenizer
 
     from post_training_cookbook.codecs import get_codec
 
     codec = get_codec(QWEN_CODEC, AutoTokenizer.from_pretrained(qwen_coder_folder()))
+    low, high = (MAX_PROMPT_TOKENS, LONGER_PROMPT_TOKENS) if longer else (0, MAX_PROMPT_TOKENS)
     return [
         entry
         for entry in load_multi_turn_entries(categories, split)  # type: ignore[arg-type]
-        if len(codec.render_prompt(entry.opening(0), entry.tool_specs)) <= MAX_PROMPT_TOKENS
+        if low < len(codec.render_prompt(entry.opening(0), entry.tool_specs)) <= high
     ]
 
 
@@ -130,10 +142,11 @@ def _multi_turn(
     limit: int | None = None,
     step: int | None = None,
     categories: tuple[str, ...] = CATEGORIES,
+    longer: bool = False,
 ) -> dict:
     from post_training_cookbook.evaluation import evaluate
 
-    chosen = entries(split, categories)[:limit]
+    chosen = entries(split, categories, longer)[:limit]
     result = evaluate(
         model, [entry.to_task() for entry in chosen], env_factory, 1, codec=QWEN_CODEC,
         temperature=0.0, label=label, runs_dir=out / "evals", progress=True, step=step, **EVAL,
@@ -317,16 +330,20 @@ def eval_grpo(out: Path) -> dict:
     return _multi_turn(model, out, GRPO_STAGE, "held_out", step=step)
 
 
-def eval_variant(out: Path, model: str, variant: str) -> dict:
-    """One of ``VARIANTS``' held-out entries scored with the SFT (``model="sft"``) or the
-    GRPO model."""
-    categories = (f"multi_turn_{variant}",)
+def eval_variant(out: Path, model: str, variant: str | None, longer: bool = False) -> dict:
+    """One of ``VARIANTS``' held-out entries (``None``: ``multi_turn_base``'s) scored with the
+    SFT (``model="sft"``) or the GRPO model; ``longer``: the entries past the first prompt
+    bound, up to ``LONGER_PROMPT_TOKENS``."""
+    categories = (f"multi_turn_{variant}",) if variant else CATEGORIES
     if model == "sft":
         path, step = str(out / "sft" / "final_model"), None
     else:
         path, step = grpo_model(out)
-    label = f"{'sft' if model == 'sft' else GRPO_STAGE}_{variant}"
-    return _multi_turn(path, out, label, "held_out", step=step, categories=categories)
+    parts = ("sft" if model == "sft" else GRPO_STAGE, "longer" if longer else "", variant or "")
+    label = "_".join(part for part in parts if part)
+    return _multi_turn(
+        path, out, label, "held_out", step=step, categories=categories, longer=longer
+    )
 
 
 VARIANT_STAGES = {
@@ -334,6 +351,16 @@ VARIANT_STAGES = {
     for variant in VARIANTS
     for model in ("sft", "grpo")
 }
+LONGER_STAGES = {
+    f"eval_{model}_longer" + (f"_{variant}" if variant else ""): functools.partial(
+        eval_variant, model=model, variant=variant, longer=True
+    )
+    for variant in (None, *VARIANTS)
+    for model in ("sft", "grpo")
+}
+"""``multi_turn_base`` and then each variant on the held-out entries between the two bounds,
+each with the SFT and the GRPO model: scored after the first bound's stages, pooled with them
+by ``report``."""
 
 
 EVAL_STEP = int(sys.argv[sys.argv.index("--eval-step") + 1]) if "--eval-step" in sys.argv else None
@@ -435,6 +462,39 @@ def report(out: Path) -> dict:
             after["per_entry"] |= scores[f"eval_{GRPO_STAGE}{stage}"]["per_entry"]
         wide = paired_turn_gain(before, after, by_scenario=True)
         result[f"{GRPO_STAGE}_over_sft_wide"] = wide | {"categories": ["base", *scored]}
+    result |= _longer_report(out, scores)
+    return result
+
+
+def _longer_report(out: Path, scores: dict[str, dict]) -> dict:
+    """The paired gains on the held-out entries up to ``LONGER_PROMPT_TOKENS``: those of the
+    first bound with the ``*_longer`` stages' (``multi_turn_base``, entries as clusters; and
+    every category scored with both models at both bounds, scenarios as clusters)."""
+    import json
+
+    def both(model: str, suffix: str) -> dict | None:
+        first = scores.get(f"eval_{model}{suffix}")
+        longer = out / f"eval_{model}_longer{suffix}.json"
+        if first is None or not longer.exists():
+            return None
+        return first["per_entry"] | json.loads(longer.read_text())["per_entry"]
+
+    suffixes = ("", *(f"_{v}" for v in VARIANTS))
+    pairs = {s: (both("sft", s), both(GRPO_STAGE, s)) for s in suffixes}
+    scored = [s for s, (b, a) in pairs.items() if b is not None and a is not None]
+    if "" not in scored:
+        return {}
+    key = f"{GRPO_STAGE}_over_sft_to{LONGER_PROMPT_TOKENS}"
+    base_sft, base_grpo = pairs[""]
+    result = {key: paired_turn_gain({"per_entry": base_sft}, {"per_entry": base_grpo})}
+    before: dict[str, dict] = {"per_entry": {}}
+    after: dict[str, dict] = {"per_entry": {}}
+    for suffix in scored:
+        before["per_entry"] |= pairs[suffix][0] or {}
+        after["per_entry"] |= pairs[suffix][1] or {}
+    categories = ["base", *(s.removeprefix("_") for s in scored if s)]
+    wide = paired_turn_gain(before, after, by_scenario=True)
+    result[f"{key}_wide"] = wide | {"categories": categories}
     return result
 
 
@@ -480,7 +540,7 @@ def plots(out: Path) -> dict:
 
 STAGES = (
     "demos", "zero_shot", "eval_base", "sft", "eval_sft", "grpo", "eval_grpo",
-    "bfcl_base", "bfcl_sft", "bfcl_grpo", *VARIANT_STAGES, "report", "plots",
+    "bfcl_base", "bfcl_sft", "bfcl_grpo", *VARIANT_STAGES, *LONGER_STAGES, "report", "plots",
 )  # fmt: skip
 """The variants after the must-show numbers' stages: together they take hours here (a run
 stopped among them keeps each variant it scored; ``--stage report OUT`` reports those)."""
@@ -489,7 +549,9 @@ PER_RUN = ("report", "plots")
 STAGE_FUNCTIONS = {
     f"{stage}_{GRPO_STAGE}"
     if stage in PER_RUN and GRPO_STAGE != "grpo"
-    else stage.replace("grpo", GRPO_STAGE): (VARIANT_STAGES.get(stage) or globals()[stage])
+    else stage.replace("grpo", GRPO_STAGE): (
+        VARIANT_STAGES.get(stage) or LONGER_STAGES.get(stage) or globals()[stage]
+    )
     for stage in STAGES
 }
 """With ``--seed N``, the GRPO stages are ``grpo_seedN``, ``eval_grpo_seedN``, ..., and
