@@ -202,6 +202,7 @@ def test_files_that_are_not_recorded_batches_are_refused_with_what_is_wrong(
     [
         ("game_step50", 9, 72, "post-training-cookbook/tool-use-tiny", 80),
         ("bfcl_multi_turn_step0", 1, 6, "qwen2.5-coder-0.5b-instruct", 4000),
+        ("smollm2_grpo_step3", 1, 4, "smollm2-135m-instruct", 398),
     ],
 )
 def test_the_committed_batches_read_back_as_recorded(
