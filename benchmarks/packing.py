@@ -15,7 +15,9 @@ Qwen2.5-Coder-0.5B-Instruct (``recipes/bfcl/qwen_coder.py``) and SmolLM2-135M-In
 (``recipes/sft/smollm2.py``); ``--model`` gives another folder. A batch recorded from an older
 rollout dump has no sampler log-probabilities: the ``off`` process fills them with the
 trainer's own (ratio 1, an on-policy step at these weights) and every layout reads that one
-fill, so that all of them compute the same update.
+fill, so that all of them compute the same update (``--fill-layout`` fills from another layout's
+own: under bf16 autocast the layouts' log-probabilities differ by rounding, so only the filling
+layout's ratios are exactly 1).
 
 Shapes (random weights of a real config; nothing is downloaded; the episodes are token
 ids shaped like a rollout's: a group's prompt, then sampled turns with forced tool results
@@ -343,6 +345,11 @@ def main() -> None:
     for hidden in ("--shape", "--mode", "--batch", "--fill", "--grads"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--fill-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fill-layout", choices=MODES, default="off",
+        help="the layout whose own log-probabilities fill a recorded batch that has no sampler "
+        "log-probabilities (default: padded rows; that layout's importance ratios are then 1)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.fill_only:
         write_fill(args)
@@ -381,7 +388,7 @@ def main() -> None:
         ]
         for number, (which, modes) in enumerate(variants):
             if "--batch" in which and not recorded[which[1]].source.sampler_logprobs_recorded:
-                child(which, ["--mode", "off", "--fill-only", *common])
+                child(which, ["--mode", args.fill_layout, "--fill-only", *common])
             rows: dict[str, Row] = {}
             for mode in modes:
                 grads = work / f"grads{number}_{mode}.pt"
