@@ -63,8 +63,8 @@ MAX_PROMPT_TOKENS = 5200
 LONGER_PROMPT_TOKENS = 6000
 """The ``*_longer`` stages score the held-out entries whose opening prompt runs past
 ``MAX_PROMPT_TOKENS`` up to this (8 scenarios of two backends each: the file system, trading
-bot, messaging and ticket APIs in pairs; at least 2.2k tokens left for the conversation, as
-under the first bound); training stays on the first bound's entries."""
+bot, messaging and ticket APIs in pairs; at least 2.2k of the 8,192 tokens left for the
+conversation, 3k under the first bound); training stays on the first bound's entries."""
 CATEGORIES = ("multi_turn_base",)
 """Trained on, and scored at every stage."""
 VARIANTS = ("miss_param", "miss_func", "long_context")
