@@ -13,11 +13,13 @@ only ``off`` and ``shared_prefix`` unless ``--modes`` says otherwise. The model 
 file names, its real weights: the bundled model, or the recipes' local folders of
 Qwen2.5-Coder-0.5B-Instruct (``recipes/bfcl/qwen_coder.py``) and SmolLM2-135M-Instruct
 (``recipes/sft/smollm2.py``); ``--model`` gives another folder. A batch recorded from an older
-rollout dump has no sampler log-probabilities: the ``off`` process fills them with the
-trainer's own (ratio 1, an on-policy step at these weights) and every layout reads that one
-fill, so that all of them compute the same update (``--fill-layout`` fills from another layout's
-own: under bf16 autocast the layouts' log-probabilities differ by rounding, so only the filling
-layout's ratios are exactly 1).
+rollout dump has no sampler log-probabilities: each layout fills them with its own, in a
+process of its own (ratio 1: an on-policy step at these weights, which every layout computes
+alike). ``--fill-layout off`` fills every layout from the padded one's instead; under bf16
+autocast the layouts' log-probabilities differ by rounding, so the other layouts' ratios are
+then 1 only up to it, which on the BFCL batch (a 4,686-token prompt) moved the shared-prefix
+gradient 0.11 from the padded one, against 5.8e-2 vs 6.0e-2 from the fp32 update with each its
+own (docs/performance.md).
 
 Shapes (random weights of a real config; nothing is downloaded; the episodes are token
 ids shaped like a rollout's: a group's prompt, then sampled turns with forced tool results
@@ -220,8 +222,8 @@ def batch_trainer(args: argparse.Namespace, batch: RecordedBatch) -> Trainer:
 
 
 def sampled_with(batch: RecordedBatch, fill: Path) -> list[TrainingSample]:
-    """The batch's samples with sampler log-probabilities: the recorded ones, or else the
-    fill of the padded layout's own (``write_fill``) that every layout reads."""
+    """The batch's samples with sampler log-probabilities: the recorded ones, or else a
+    layout's own (``write_fill``: the measured layout's, or ``--fill-layout``'s)."""
     if batch.source.sampler_logprobs_recorded:
         return batch.samples
     return batch.with_sampler_logprobs(json.loads(fill.read_text())).samples
@@ -346,9 +348,10 @@ def main() -> None:
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--fill-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
-        "--fill-layout", choices=MODES, default="off",
-        help="the layout whose own log-probabilities fill a recorded batch that has no sampler "
-        "log-probabilities (default: padded rows; that layout's importance ratios are then 1)",
+        "--fill-layout", choices=("own", *MODES), default="own",
+        help="whose log-probabilities fill a recorded batch that has no sampler log-probabilities: "
+        "each layout its own (default: every layout's importance ratios are 1), or one layout's "
+        "for all",
     )  # fmt: skip
     args = parser.parse_args()
     if args.fill_only:
@@ -383,16 +386,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         variants = [(["--shape", shape], args.modes or MODES) for shape in shapes] + [
-            (["--batch", batch, "--fill", str(work / f"fill{i}.json")], args.modes or BATCH_MODES)
-            for i, batch in enumerate(args.batches)
+            (["--batch", batch], args.modes or BATCH_MODES) for batch in args.batches
         ]
         for number, (which, modes) in enumerate(variants):
-            if "--batch" in which and not recorded[which[1]].source.sampler_logprobs_recorded:
-                child(which, ["--mode", args.fill_layout, "--fill-only", *common])
             rows: dict[str, Row] = {}
             for mode in modes:
                 grads = work / f"grads{number}_{mode}.pt"
-                output = child(which, ["--mode", mode, "--grads", str(grads), *common])
+                filled = []
+                if "--batch" in which:
+                    filler = mode if args.fill_layout == "own" else args.fill_layout
+                    filled = ["--fill", str(work / f"fill{number}_{filler}.json")]
+                    missing = not recorded[which[1]].source.sampler_logprobs_recorded
+                    if missing and not Path(filled[1]).exists():
+                        child([*which, *filled], ["--mode", filler, "--fill-only", *common])
+                output = child([*which, *filled], ["--mode", mode, "--grads", str(grads), *common])
                 row = rows[mode] = Row(**json.loads(output.strip().splitlines()[-1]))
                 plain = rows[modes[0]]
                 delta = gradient_difference(grads, work / f"grads{number}_{modes[0]}.pt")
