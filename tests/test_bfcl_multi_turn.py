@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import functools
 import json
 import re
 import sys
@@ -486,16 +487,21 @@ def test_the_paired_gain_clusters_a_scenarios_variants_together():
     assert by_scenario["se"] > by_entry["se"] > 0
 
 
+def _write_scores(folder: Path, stage: str, category: str, valid: dict[int, int]) -> None:
+    """A stage's JSON as ``_multi_turn`` writes it: per entry of ``category``, 4 turns and
+    ``valid`` of them passing."""
+    entries = {f"multi_turn_{category}_{n}": {"turns": 4, "turns_valid": v} for n, v in
+               valid.items()}  # fmt: skip
+    (folder / f"{stage}.json").write_text(json.dumps({"per_entry": entries}))
+
+
 def test_the_report_adds_each_variant_category_scored_with_both_models(tmp_path):
     """A run stopped among the variant stages keeps what it scored: the report compares each
     variant scored with SFT and GRPO, and the wide gain pools them with ``multi_turn_base``,
     a scenario's variants as one cluster; a variant scored with one model only is left out."""
     recipe = _multi_turn_recipe()
 
-    def write(stage: str, category: str, valid: dict[int, int]) -> None:
-        entries = {f"multi_turn_{category}_{n}": {"turns": 4, "turns_valid": v} for n, v in
-                   valid.items()}  # fmt: skip
-        (tmp_path / f"{stage}.json").write_text(json.dumps({"per_entry": entries}))
+    write = functools.partial(_write_scores, tmp_path)
 
     write("eval_base", "base", {3: 0, 7: 0})
     write("eval_sft", "base", {3: 0, 7: 1})
@@ -525,10 +531,7 @@ def test_the_longer_stages_score_held_out_entries_past_the_first_bound_and_pool_
             assert stages.index(f"eval_{model}_longer{variant}") > stages.index("grpo")
     assert recipe.MAX_PROMPT_TOKENS < recipe.LONGER_PROMPT_TOKENS < recipe.EVAL["max_model_length"]
 
-    def write(stage: str, category: str, valid: dict[int, int]) -> None:
-        entries = {f"multi_turn_{category}_{n}": {"turns": 4, "turns_valid": v} for n, v in
-                   valid.items()}  # fmt: skip
-        (tmp_path / f"{stage}.json").write_text(json.dumps({"per_entry": entries}))
+    write = functools.partial(_write_scores, tmp_path)
 
     write("eval_base", "base", {3: 0, 7: 0})
     write("eval_sft", "base", {3: 0, 7: 0})

@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import statistics
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -455,15 +456,25 @@ def report(out: Path) -> dict:
             scores[f"eval_sft_{variant}"], scores[f"eval_{GRPO_STAGE}_{variant}"]
         )
     if scored and f"eval_{GRPO_STAGE}" in scores:
-        before: dict[str, dict] = {"per_entry": {}}  # base and every variant scored
-        after: dict[str, dict] = {"per_entry": {}}
-        for stage in ("", *(f"_{v}" for v in scored)):
-            before["per_entry"] |= scores[f"eval_sft{stage}"]["per_entry"]
-            after["per_entry"] |= scores[f"eval_{GRPO_STAGE}{stage}"]["per_entry"]
-        wide = paired_turn_gain(before, after, by_scenario=True)
+        stages = ("", *(f"_{v}" for v in scored))  # base and every variant scored
+        wide = pooled_turn_gain(
+            (scores[f"eval_sft{s}"]["per_entry"], scores[f"eval_{GRPO_STAGE}{s}"]["per_entry"])
+            for s in stages
+        )
         result[f"{GRPO_STAGE}_over_sft_wide"] = wide | {"categories": ["base", *scored]}
     result |= _longer_report(out, scores)
     return result
+
+
+def pooled_turn_gain(categories: Iterable[tuple[dict, dict]]) -> dict:
+    """``paired_turn_gain`` over several categories' entries at once (each a pair of
+    ``per_entry`` scores, before and after), a scenario's variants as one cluster."""
+    before: dict[str, dict] = {}
+    after: dict[str, dict] = {}
+    for old, new in categories:
+        before |= old
+        after |= new
+    return paired_turn_gain({"per_entry": before}, {"per_entry": after}, by_scenario=True)
 
 
 def _longer_report(out: Path, scores: dict[str, dict]) -> dict:
@@ -487,13 +498,8 @@ def _longer_report(out: Path, scores: dict[str, dict]) -> dict:
     key = f"{GRPO_STAGE}_over_sft_to{LONGER_PROMPT_TOKENS}"
     base_sft, base_grpo = pairs[""]
     result = {key: paired_turn_gain({"per_entry": base_sft}, {"per_entry": base_grpo})}
-    before: dict[str, dict] = {"per_entry": {}}
-    after: dict[str, dict] = {"per_entry": {}}
-    for suffix in scored:
-        before["per_entry"] |= pairs[suffix][0] or {}
-        after["per_entry"] |= pairs[suffix][1] or {}
+    wide = pooled_turn_gain((b, a) for b, a in pairs.values() if b is not None and a is not None)
     categories = ["base", *(s.removeprefix("_") for s in scored if s)]
-    wide = paired_turn_gain(before, after, by_scenario=True)
     result[f"{key}_wide"] = wide | {"categories": categories}
     return result
 
