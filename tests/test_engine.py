@@ -775,3 +775,63 @@ def test_a_dropped_decoder_cache_frees_its_kv_without_the_cyclic_collector(
         assert alive() is None
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("gap", [False, True], ids=["one-run", "with-gap"])
+def test_a_rows_kv_copy_holds_its_valid_columns_in_order(gap: bool) -> None:
+    """``row_kv`` (what a finished row leaves in the prefix cache): the valid columns, in
+    column order, as fresh tensors. A cached prefix followed by a suffix shorter than its
+    prefill group's width leaves padding between them: the ``gap`` case."""
+    from post_training_cookbook.engine.kv import KVBatch
+
+    batch = KVBatch(num_layers=2, dtype=torch.float32, device=torch.device("cpu"))
+    batch.reserve(2, 12)
+    batch.add_rows(2)
+    for layer in range(2):
+        k = torch.randn(2, 3, batch.cols, 4)
+        batch.write(layer, slice(0, 2), slice(0, batch.cols), k, -k)
+    batch.valid[1, 2:6] = True
+    batch.valid[1, 8 if gap else 6 : 12] = True
+    keys, values = batch.row_kv(1)
+    columns = batch.valid[1, : batch.cols].nonzero().squeeze(1).tolist()
+    assert len(columns) == (8 if gap else 10)
+    for layer in range(2):
+        buffer = batch.buffers(layer)[0][1]
+        torch.testing.assert_close(keys[layer], buffer[:, columns], rtol=0, atol=0)
+        torch.testing.assert_close(values[layer], -buffer[:, columns], rtol=0, atol=0)
+        assert keys[layer].is_contiguous()
+        assert keys[layer].data_ptr() != buffer.data_ptr()
+    buffer.zero_()  # the copy outlives the row's buffers
+    assert keys[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_released_packed_weights_come_back_with_the_next_updates_weights(
+    model: torch.nn.Module, dtype: torch.dtype
+) -> None:
+    """``release_memory`` drops the fused step's packed weight copies (a lockstep trainer
+    steps, and peaks, while the engine idles); the next decode step packs them again from the
+    model's weights then, so an update applied meanwhile is what it samples with."""
+    loop = asyncio.new_event_loop()
+    prompts = [prompt_of(length, seed) for seed, length in enumerate([5, 17])]
+
+    def decoder_of(weights: torch.nn.Module) -> Decoder:
+        copy = inference_copy(weights, dtype, torch.device("cpu"))
+        return Decoder(copy, prefix_cache_size=0, native_kernels=True)
+
+    decoder = decoder_of(model)
+    if decoder.fused is None or not decoder.fused.pack or decoder.fused.native_weights is None:
+        loop.close()
+        pytest.skip("no packed weights here (native kernels or oneDNN's packing unavailable)")
+    decode_to_the_end(decoder, loop, prompts, max_tokens=6)
+    decoder.release_memory()
+    assert decoder.fused.native_weights is None
+    other = tiny_model(seed=1)
+    update = inference_copy(other, dtype, torch.device("cpu")).state_dict()
+    decoder.apply_weights(dict(update), version=1)
+    got = decode_to_the_end(decoder, loop, prompts, max_tokens=6)
+    assert decoder.fused.native_weights is not None
+    want = decode_to_the_end(decoder_of(other), loop, prompts, max_tokens=6)
+    loop.close()
+    for [a], [b] in zip(got, want, strict=True):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs

@@ -274,3 +274,44 @@ def test_a_lockstep_training_step_frees_the_idle_engines_kv_first(model_dir):
     assert kept > 0 and freed
     assert after_sampling > 0  # the next batch fills them afresh
     assert [s.tokens for s in again] == [s.tokens for s in samples]
+
+
+def test_a_lockstep_weight_sync_releases_the_trainer_threads_idle_pool(model_dir, monkeypatch):
+    """After a lockstep step's weights reach the engines, the trainer thread waits while
+    they sample: its idle OpenMP pool goes, or every small op of theirs pays a wake-up
+    (the bundled game's rollout: 0.8-1.0 s a step with the pool, 0.5-0.6 s without). A sync
+    while episodes are still sampling (async) keeps it: the trainer steps again at once."""
+    from post_training_cookbook.service import local as service_local
+
+    callers: list[str] = []
+    monkeypatch.setattr(
+        service_local,
+        "release_idle_openmp_pool",
+        lambda: callers.append(threading.current_thread().name),
+    )
+
+    async def scenario():
+        service = make_service(model_dir, use_lora=False)
+        try:
+            samples, _ = await sample_episodes(service, seed=3)
+            callers.clear()  # the constructor's, on the caller's thread
+            await service.forward_backward(samples, LossConfig())
+            await service.optim_step(1e-2)
+            await service.weights_sync()
+            lockstep = list(callers)
+            callers.clear()
+            # Two samples counted in flight, as the async loop's are while the trainer steps
+            # (a real one could finish before the step on a model this small).
+            service._in_flight[0] += 2
+            await service.forward_backward(samples, LossConfig())
+            await service.optim_step(1e-2)
+            await service.weights_sync(WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE)
+            service._in_flight[0] -= 2
+            overlapped = list(callers)
+            return lockstep, overlapped
+        finally:
+            await service.close()
+
+    lockstep, overlapped = asyncio.run(scenario())
+    assert len(lockstep) == 1 and lockstep[0].startswith("trainer")
+    assert overlapped == []

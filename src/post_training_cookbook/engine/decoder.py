@@ -110,12 +110,15 @@ class Decoder:
         return requests
 
     def release_memory(self) -> None:
-        """Drop the idle KV buffers (kept at their capacity between batches) and the cached
-        prefixes, and hand the freed pages back to the OS: the next batch allocates afresh."""
+        """Drop the idle KV buffers (kept at their capacity between batches), the cached
+        prefixes and the fused step's packed weights, and hand the freed pages back to the
+        OS: the next batch allocates afresh."""
         if self.rows:
             raise RuntimeError("release_memory needs an idle decoder")
         self.reset()
         self.prefix_cache.clear()
+        if self.fused is not None:
+            self.fused.release()
         return_freed_memory()  # the worker's arena would keep the pages (engine/heap.py)
 
     def apply_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:

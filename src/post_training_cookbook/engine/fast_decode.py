@@ -65,11 +65,19 @@ class FusedDecodeStep:
         self.pack = kernels is not None and _can_pack(model)
         # decode_step.cpp's per-layer weights (see its Slot enum), or None if it can't run this
         self.native_weights = self._native_weights() if kernels is not None else None
+        self._repack = False
 
     def weights_changed(self) -> None:
         """Call after the model's weights were updated in place: packed copies are rebuilt."""
         if self.native_weights is not None and self.pack:
             self.native_weights = self._native_weights()
+
+    def release(self) -> None:
+        """Drop the packed copies (a second copy of every matmul weight) while the engine is
+        idle: a lockstep trainer's step peaks then, and the weight update that follows it
+        would re-pack them anyway. The next step packs them again."""
+        if self.native_weights is not None and self.pack:
+            self.native_weights, self._repack = None, True
 
     @staticmethod
     def for_model(model: Any, native: bool = True) -> FusedDecodeStep | None:
@@ -106,6 +114,8 @@ class FusedDecodeStep:
         hi = col + 1
         # The kernels read row i of the buffers for input row i: rows must start at 0.
         native = self.kernels if rows.start in (0, None) else None
+        if self._repack:
+            self.native_weights, self._repack = self._native_weights(), False
         if native is not None and self.native_weights is not None:
             return self._native_step(batch, lo, input_ids, positions, native, self.native_weights)
         if native is None and batch.dtype != torch.float32:

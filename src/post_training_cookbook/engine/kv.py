@@ -236,12 +236,22 @@ class KVBatch:
     def row_kv(self, row: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A copy of one row's KV, valid columns only: ``[kv_heads, tokens, head_dim]`` for
         each of ``kv_layers``."""
-        mask = self.valid[row, : self.cols]
-        keys = [self._buffer(self.keys, i)[row, :, : self.cols][:, mask] for i in self.kv_layers]
-        values = [
-            self._buffer(self.values, i)[row, :, : self.cols][:, mask] for i in self.kv_layers
+        columns = self.valid[row, : self.cols].nonzero().squeeze(1)
+        if len(columns) == 0:
+            lo = hi = 0
+        else:
+            lo, hi = int(columns[0]), int(columns[-1]) + 1
+        buffers = [
+            self._buffer(store, i)[row]
+            for store in (self.keys, self.values)
+            for i in self.kv_layers
         ]
-        return keys, values
+        if hi - lo == len(columns):  # the usual layout: one run of valid columns, copied whole
+            copies = [b[:, lo:hi].clone(memory_format=torch.contiguous_format) for b in buffers]
+        else:
+            copies = [b.index_select(1, columns) for b in buffers]
+        half = len(self.kv_layers)
+        return copies[:half], copies[half:]
 
     def row_state(self, row: int) -> RowState | None:
         """A copy of one row's recurrent state (None for a model without linear attention)."""

@@ -293,6 +293,10 @@ class LocalModelService(ModelService):
             # merged one weight at a time, in the engine's dtype: no whole extra copy
             tensors = self.trainer.inference_tensors(engine.dtype)
             engine.update_weights(((names[0], t) for names, t in tensors), version, mode=mode)
+        if not any(self._in_flight) and self.trainer.device.type == "cpu":
+            # Lockstep: the engines sample next while this thread waits, and its idle pool
+            # would make every small op of theirs pay a wake-up (engine/threads.py).
+            release_idle_openmp_pool()
 
     async def _until_applied(self, version: int) -> None:
         await asyncio.gather(*(engine.wait_for_version(version) for engine in self.engines))
