@@ -34,7 +34,8 @@ def release_idle_openmp_pool() -> bool:
     """Let the calling thread's idle OpenMP workers exit; True when there was libgomp to ask.
 
     Call it from a thread that has handed its parallel work to another thread (the caller of
-    ``LocalEngine``, the main thread of ``LocalModelService``), outside any parallel region.
+    ``LocalEngine``, the main thread of ``LocalModelService``, a lockstep trainer thread
+    while the engines sample), outside any parallel region.
     libgomp frees the calling thread's pool only; torch starts a new one the next time this
     thread runs a parallel op, so the call changes speed, never results. Other OpenMP
     runtimes pause every thread's resources at once, so this is a no-op for them.

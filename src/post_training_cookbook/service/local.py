@@ -9,10 +9,13 @@ default, leaving the rest to the trainer beside them (see "Threads" in ``engine/
 the trainer takes ``trainer_threads`` (default: torch's count, which suits a loop where
 training and generation take turns; a loop that runs them at once gives each its share).
 Once built, the service releases the constructing thread's idle OpenMP pool
-(``engine/threads.py``): from then on that thread hands its parallel work over.
+(``engine/threads.py``): from then on that thread hands its parallel work over. In lockstep
+the trainer thread releases its own idle pool too, once a step's weights reach the engines:
+the engines sample next while it waits.
 
 Memory in lockstep (nothing sampling while the trainer steps): before ``forward_backward``
-the engines free their KV buffers and cached prefixes, and on a CPU the pages freed by the
+the engines free their KV buffers, cached prefixes and packed decode weights (re-packed at
+their next decode step, as the weight update would anyway), and on a CPU the pages freed by the
 step, and by a synchronous sync's staged weights, go back to the OS (``engine/heap.py``),
 so that sampling and training, which allocate from different threads' malloc arenas, do
 not hold both peaks at once.
