@@ -51,14 +51,17 @@ def main() -> None:
 def watch_phases(marks: list[tuple[str, float, float]]) -> None:
     """Record each phase's end: (phase, resident GiB, peak GiB since the phase began)."""
 
+    def reset_peak() -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set
+
     def mark(phase: str) -> None:
         marks.append((phase, proc_status("VmRSS") / 2**30, proc_status("VmHWM") / 2**30))
-        Path("/proc/self/clear_refs").write_text("5")  # 5: reset the peak resident set
+        reset_peak()
 
     collect = lockstep.collect_groups
 
     async def collecting(*args: Any, **kwargs: Any) -> Any:
-        Path("/proc/self/clear_refs").write_text("5")
+        reset_peak()  # the rollout's peak is its own, not the model load's
         result = await collect(*args, **kwargs)
         mark("rollout")
         return result
