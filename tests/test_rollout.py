@@ -14,9 +14,11 @@ from post_training_cookbook.rollout import (
     EnvStepError,
     EpisodeLimits,
     EpisodeRunner,
+    Group,
     TruncationCause,
     run_episode,
 )
+from post_training_cookbook.rollout.metrics import episode_metrics
 from post_training_cookbook.types import Message
 
 CODEC = get_codec("hermes", make_tokenizer(HERMES_CHAT_TEMPLATE), default_system=None)
@@ -125,6 +127,25 @@ def test_an_unparseable_message_ends_the_episode_as_parse_failure_with_its_rewar
     episode, _ = play([broken + list(CODEC.stop_token_ids[:1])], failed_parse_reward=-0.5)
     assert episode.truncation is TruncationCause.PARSE_FAILURE
     assert episode.reward == -0.5 and CountingEnv.closes == 1
+
+
+class TextReadingEnv(CountingEnv):
+    unparsed_replies = "as_text"
+
+
+def test_an_env_that_reads_unparsed_replies_as_text_gets_one_and_goes_on():
+    broken = CODEC.tokenizer.encode(
+        '<tool_call>\n{"name": "lookup", "argu', add_special_tokens=False
+    )
+    replies = [broken + list(CODEC.stop_token_ids[:1])]
+    episode, _ = play(replies, env_class=TextReadingEnv, failed_parse_reward=-0.5)
+    assert episode.truncation is None  # the game reads a text reply as its answer
+    assert episode.unparsed_turns == 1 and episode.reward == 0.0
+    reply = episode.messages[-1]
+    assert reply["role"] == "assistant" and not reply.get("tool_calls")
+    assert reply["content"].startswith('<tool_call>\n{"name": "lookup"')
+    metrics = episode_metrics([Group(episode.task, [episode])])
+    assert metrics["rollout/parse_rate"] == 0.0  # still counted as a reply that did not parse
 
 
 def test_an_episode_that_never_answers_is_cut_at_max_turns():

@@ -115,7 +115,174 @@ def sft(out: Path) -> dict:
     return {"run_dir": str(run.path), "final_model": str(run.final_model_dir)}
 
 
-STAGE_FUNCTIONS = {"demos": demos, "sft": sft}
+EVAL = {
+    "max_turns": 200,  # no bound of ours: BFCL's is 21 replies with calls a user turn
+    "max_model_length": MAX_MODEL_LENGTH,
+    "max_tokens_per_turn": 256,
+    "max_batch_size": 16,
+}
+"""Every held-out score (PROTOCOL.md, "Scoring"): greedy, BFCL's loop and bounds."""
+
+
+def env_factory(task):
+    return BFCLMultiTurnEnv()  # BFCL's step limit (20), its verdicts
+
+
+@functools.cache
+def held_out(category: str) -> list[MultiTurnEntry]:
+    return load_multi_turn_entries([category], "held_out")  # type: ignore[list-item]
+
+
+def score(model, out: Path, label: str, category: str, **options) -> dict:
+    """The held-out entries of ``category`` played by ``model`` (a model folder or run, or a
+    ``ChatSampler``), each entry's BFCL verdict, prefix turns and our per-turn count."""
+    from post_training_cookbook.evaluation import evaluate
+
+    result = evaluate(
+        model, [entry.to_task() for entry in held_out(category)], env_factory, 1,
+        temperature=0.0, label=f"{label}_{category}", runs_dir=out / "evals", progress=True,
+        **EVAL, **options,
+    )  # fmt: skip
+    per_entry = {}
+    for group in result.groups:
+        entry = MultiTurnEntry.from_task(group.task)
+        (episode,) = group.episodes
+        metrics = episode.metrics
+        per_entry[entry.id] = {
+            "turns": len(entry.turns),
+            "valid": metrics.get("bfcl_mt_entry_valid") == 1.0,
+            "prefix_turns": int(metrics.get("bfcl_mt_prefix_turns", 0.0)),
+            "turns_valid_ours": int(metrics.get("bfcl_mt_turns_valid", 0.0)),
+            "calls": int(metrics.get("bfcl_mt_calls", 0.0)),
+            "text_replies": int(metrics.get("bfcl_mt_text_replies", 0.0)),
+            "ended": "terminated" if episode.truncation is None else episode.truncation.value,
+            "sampled_tokens": episode.num_sampled_tokens,
+        }
+    rows = list(per_entry.values())
+    turns = sum(row["turns"] for row in rows)
+    seconds = result.elapsed_s
+    return {
+        "category": category,
+        "entries": len(rows),
+        "entry_accuracy": sum(row["valid"] for row in rows) / len(rows),
+        "prefix_turn_accuracy": sum(row["prefix_turns"] for row in rows) / turns,
+        "turn_accuracy_ours": sum(row["turns_valid_ours"] for row in rows) / turns,
+        "parse_rate": result.metrics.get("eval/parse_rate"),
+        "termination": result.termination,
+        "sampled_tokens_per_s": sum(row["sampled_tokens"] for row in rows) / seconds,
+        "per_entry": per_entry,
+        "eval_dir": str(result.output_dir),
+    }
+
+
+def never_call(out: Path, category: str) -> dict:
+    """Baseline (b): "Done." every user turn, no call, no model."""
+    from post_training_cookbook.bundled_envs.bfcl.ground_truth import NeverCallPlayer
+    from post_training_cookbook.sft.demonstrations import ScriptedChat
+
+    return score(ScriptedChat(NeverCallPlayer()), out, "never_call", category)
+
+
+def zero_shot(out: Path, category: str) -> dict:
+    """Baseline (a): the model as it comes, its template's own tool-call format."""
+    return score(str(qwen_coder_folder()), out, "zero_shot", category, codec=QWEN_CODEC)
+
+
+def sft_model(out: Path, category: str) -> dict:
+    """Baseline (c): the SFT stage's final model."""
+    return score(str(out / "sft" / "final_model"), out, "sft", category, codec=QWEN_CODEC)
+
+
+BASELINES = {"never_call": never_call, "sft": sft_model, "zero_shot": zero_shot}
+EVAL_STAGES = {
+    f"eval_{name}_{category.removeprefix('multi_turn_')}": functools.partial(
+        function, category=category
+    )
+    for name, function in BASELINES.items()
+    for category in CATEGORIES
+}
+"""One stage a model and category (each 52 held-out entries), so a run stopped between them
+keeps what it scored; ``report`` reads whichever have run."""
+
+
+def seen_call_lists() -> set[tuple[str, ...]]:
+    """Every ground-truth call list of a user turn in the train split (all categories, all
+    prompt lengths): a held-out turn with one of these is of a seen pattern."""
+    return {
+        tuple(calls)
+        for entry in load_multi_turn_entries(CATEGORIES, "train")  # type: ignore[arg-type]
+        for calls in entry.ground_truth
+        if calls
+    }
+
+
+def report(out: Path) -> dict:
+    """Per model scored so far: per category and pooled, entry accuracy (binomial SE; pooled:
+    a scenario's entries as one cluster) and prefix turn accuracy (clustered SE), ours beside
+    them; the prefix turn accuracy of held-out turns of seen and of unseen call patterns."""
+    import json
+
+    seen = seen_call_lists()
+    truths = {e.id: e for c in CATEGORIES for e in held_out(c)}
+    models: dict[str, dict] = {}
+    for name in BASELINES:
+        scored = {}
+        for category in CATEGORIES:
+            stage = out / f"eval_{name}_{category.removeprefix('multi_turn_')}.json"
+            if stage.exists():
+                scored[category] = json.loads(stage.read_text())["per_entry"]
+        if scored:
+            models[name] = model_report(scored, truths, seen)
+    return {"models": models}
+
+
+def model_report(scored: dict[str, dict], truths: dict, seen: set) -> dict:
+    from post_training_cookbook.evaluation.benchmarks import clustered_se
+
+    def rates(per_entry: dict, by_scenario: bool) -> dict:
+        entries: dict[str, tuple[int, int]] = {}
+        prefix: dict[str, tuple[int, int]] = {}
+        ours: dict[str, tuple[int, int]] = {}
+        split: dict[str, dict[str, tuple[int, int]]] = {"seen": {}, "unseen": {}}
+        for entry_id, row in per_entry.items():
+            key = entry_id.rsplit("_", 1)[1] if by_scenario else entry_id
+            add(entries, key, int(row["valid"]), 1)
+            add(prefix, key, row["prefix_turns"], row["turns"])
+            add(ours, key, row["turns_valid_ours"], row["turns"])
+            for turn, calls in enumerate(truths[entry_id].ground_truth):
+                kind = "seen" if tuple(calls) in seen else "unseen"
+                add(split[kind], key, int(turn < row["prefix_turns"]), 1)
+        result = {"entries": len(per_entry)}
+        for label, clusters in (("entry", entries), ("prefix_turn", prefix), ("turn_ours", ours)):
+            result |= ratio(label, clusters)
+        for kind, clusters in split.items():
+            result |= ratio(f"prefix_turn_{kind}", clusters)
+        return result
+
+    def add(clusters: dict, key: str, passed: int, total: int) -> None:
+        old = clusters.get(key, (0, 0))
+        clusters[key] = (old[0] + passed, old[1] + total)
+
+    def ratio(label: str, clusters: dict) -> dict:
+        values = list(clusters.values())
+        total = sum(t for _, t in values)
+        accuracy = sum(v for v, _ in values) / total if total else None
+        return {
+            f"{label}_accuracy": accuracy,
+            f"{label}_se": clustered_se(values),
+            f"{label}_count": total,
+        }
+
+    report = {category: rates(rows, by_scenario=False) for category, rows in scored.items()}
+    if len(scored) > 1:
+        pooled = {k: v for rows in scored.values() for k, v in rows.items()}
+        report["pooled"] = rates(pooled, by_scenario=True) | {"categories": sorted(scored)}
+    return report
+
+
+STAGE_FUNCTIONS = {"demos": demos, "sft": sft, **EVAL_STAGES, "report": report}
+"""``report`` reads the evaluation stages that have run: ``--stage report OUT`` redoes it."""
+
 
 if __name__ == "__main__":
     stages_main(__file__, STAGE_FUNCTIONS, default_out="runs/bfcl_protocol")

@@ -22,7 +22,7 @@ import abc
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from post_training_cookbook.types import Message, ToolSpec
 
@@ -85,8 +85,18 @@ class Tool(Protocol):
         ...
 
 
+UnparsedReplies = Literal["end_episode", "as_text"]
+
+
 class Env(abc.ABC):
     """One episode of a multi-turn conversation with tools. Build a fresh env per episode."""
+
+    unparsed_replies: ClassVar[UnparsedReplies] = "end_episode"
+    """What a reply the codec cannot parse (a malformed tool call) does. ``"end_episode"``:
+    the rollout ends the episode (``PARSE_FAILURE``, reward ``failed_parse_reward``).
+    ``"as_text"``: ``step`` gets an assistant message holding the reply's text and no tool
+    calls, for an env whose benchmark reads such a reply as one that calls nothing (BFCL's
+    inference loop ends the user's turn). Counted in ``parse_rate`` either way."""
 
     @abc.abstractmethod
     async def reset(self, task: Task) -> list[Message]:

@@ -5,20 +5,26 @@
 - ``"bfcl_multi_turn"`` (or ``"bfcl_multi_turn:base,miss_func"``, and ``@held_out`` or
   ``@train`` for one side of the fixed split, e.g. ``"bfcl_multi_turn:base@held_out"``):
   BFCL's multi-turn categories (default ``multi_turn_base``, every entry), played by
-  ``BFCLMultiTurnEnv``. Beside the entry accuracy it reports the per-turn accuracy: valid
-  turns / all turns of the category's entries (a turn never reached counts as failed).
+  ``BFCLMultiTurnEnv`` as BFCL's inference loop plays them. Beside the entry accuracy it
+  reports the prefix turn accuracy: the turns before each entry's first failing turn (as
+  BFCL's checker finds it) over all turns of the category's entries; and ours, the per-turn
+  accuracy: turns passing our per-turn check / all turns (a turn never reached fails). The
+  evaluation folder gets ``bfcl_results.jsonl``, the calls as BFCL's checker takes them
+  (``bundled_envs/bfcl/results_file.py``), which ``scripts/bfcl_rescore.py`` scores with
+  ``bfcl-eval`` alone.
 
 The episodes are played as any env's are, and the report is BFCL's: per category, the share
 of items the checker accepts (``correct / total``, each episode counted), and the overall as
 BFCL's summary computes one, the unweighted mean of the categories' accuracies. Standard
-errors: the entry accuracy's is binomial, sqrt(p(1 - p) / n); the per-turn accuracy's treats
+errors: the entry accuracy's is binomial, sqrt(p(1 - p) / n); the turn accuracies' treat
 an entry's turns as one cluster (the ratio estimator's: sqrt(Σ (v_i − p t_i)²) / Σ t_i, v_i
-valid turns of t_i), since one entry's turns pass or fail together.
+passed turns of t_i), since one entry's turns pass or fail together.
 
 A reply the codec cannot parse (or, from an endpoint, a tool call whose arguments are not
 JSON) is to BFCL a reply with no decodable call: right in ``irrelevance``, wrong elsewhere,
-as BFCL's decoder would judge it. (Its reward stays ``failed_parse_reward``, as on every
-env, so ``reward (mean)`` can differ from the accuracies there.) An episode whose prompt did
+as BFCL's decoder would judge it; in a multi-turn entry it ends the user's turn. (In a
+single-turn item its reward stays ``failed_parse_reward``, as on every env, so ``reward
+(mean)`` can differ from the accuracies there.) An episode whose prompt did
 not fit in ``max_model_length`` counts as wrong.
 """
 
@@ -27,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.envs.base import Env, Task
@@ -109,8 +116,13 @@ class BenchmarkScore:
     """The unweighted mean of the categories' accuracies (BFCL's summary rule)."""
     standard_error: dict[str, float] = field(default_factory=dict)
     """The accuracy's binomial standard error per category."""
+    prefix_turns: dict[str, CategoryScore] = field(default_factory=dict)
+    """``bfcl_multi_turn``: turns before each entry's first failing turn / all turns."""
+    prefix_turn_accuracy: dict[str, float] = field(default_factory=dict)
+    prefix_turn_standard_error: dict[str, float] = field(default_factory=dict)
+    """The prefix turn accuracy's standard error, an entry's turns as one cluster."""
     turns: dict[str, CategoryScore] = field(default_factory=dict)
-    """``bfcl_multi_turn``: valid turns / all turns per category."""
+    """``bfcl_multi_turn``, ours: turns passing our per-turn check / all turns."""
     turn_accuracy: dict[str, float] = field(default_factory=dict)
     turn_standard_error: dict[str, float] = field(default_factory=dict)
     """The per-turn accuracy's standard error, an entry's turns as one cluster."""
@@ -173,33 +185,65 @@ def _score(
 def _score_multi_turn(
     spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None
 ) -> BenchmarkScore:
-    """Entry and per-turn accuracy per category (the module's docstring)."""
+    """Entry, prefix turn and per-turn accuracy per category (the module's docstring)."""
     from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry
 
-    entries: dict[str, list[tuple[bool, int, int]]] = {c: [] for c in spec.categories}
+    rows: dict[str, list[MultiTurnRow]] = {c: [] for c in spec.categories}
     for group in groups:
         entry = MultiTurnEntry.from_task(group.task)
         for episode in group.episodes:
-            valid_turns = int(episode.metrics.get("bfcl_mt_turns_valid", 0.0))
-            accepted = episode.metrics.get("bfcl_mt_entry_valid") == 1.0
-            entries[entry.category].append((accepted, valid_turns, len(entry.turns)))
+            rows[entry.category].append(MultiTurnRow.of(episode, len(entry.turns)))
     per_category = {
-        c: CategoryScore(sum(a for a, _, _ in rows), len(rows)) for c, rows in entries.items()
+        c: CategoryScore(sum(r.accepted for r in rs), len(rs)) for c, rs in rows.items()
     }
-    turns = {
-        c: CategoryScore(sum(v for _, v, _ in rows), sum(t for _, _, t in rows))
-        for c, rows in entries.items()
-    }
+    prefix = {c: [(r.prefix_turns, r.turns) for r in rs] for c, rs in rows.items()}
+    ours = {c: [(r.valid_turns, r.turns) for r in rs] for c, rs in rows.items()}
+    prefix_scores = {c: turn_score(clusters) for c, clusters in prefix.items()}
+    turn_scores = {c: turn_score(clusters) for c, clusters in ours.items()}
     return _score(
         spec,
         per_category,
         limit,
-        turns=turns,
-        turn_accuracy={c: score.accuracy for c, score in turns.items()},
-        turn_standard_error={
-            c: clustered_se([(v, t) for _, v, t in rows]) for c, rows in entries.items()
-        },
+        prefix_turns=prefix_scores,
+        prefix_turn_accuracy={c: score.accuracy for c, score in prefix_scores.items()},
+        prefix_turn_standard_error={c: clustered_se(cl) for c, cl in prefix.items()},
+        turns=turn_scores,
+        turn_accuracy={c: score.accuracy for c, score in turn_scores.items()},
+        turn_standard_error={c: clustered_se(cl) for c, cl in ours.items()},
     )
+
+
+@dataclass(frozen=True)
+class MultiTurnRow:
+    """One played BFCL multi-turn entry, as its env's last metrics scored it."""
+
+    accepted: bool
+    prefix_turns: int
+    valid_turns: int
+    turns: int
+
+    @classmethod
+    def of(cls, episode: Episode, turns: int) -> MultiTurnRow:
+        metrics = episode.metrics
+        return cls(
+            accepted=metrics.get("bfcl_mt_entry_valid") == 1.0,
+            prefix_turns=int(metrics.get("bfcl_mt_prefix_turns", 0.0)),
+            valid_turns=int(metrics.get("bfcl_mt_turns_valid", 0.0)),
+            turns=turns,
+        )
+
+
+def turn_score(clusters: Sequence[tuple[int, int]]) -> CategoryScore:
+    """Passed turns over all turns of ``clusters`` (each ``(passed, total)``)."""
+    return CategoryScore(sum(v for v, _ in clusters), sum(t for _, t in clusters))
+
+
+def write_benchmark_files(groups: Sequence[Group], folder: Path) -> None:
+    """Files a benchmark's own tools read, beside an evaluation's episodes: BFCL multi-turn's
+    ``bfcl_results.jsonl`` when ``groups`` played any of its entries."""
+    from post_training_cookbook.bundled_envs.bfcl.results_file import write_results
+
+    write_results(groups, folder)
 
 
 def binomial_se(score: CategoryScore) -> float:

@@ -38,7 +38,13 @@ from post_training_cookbook.openai_api import (
     is_retried,
     message_to_api,
 )
-from post_training_cookbook.rollout.chat import ChatRunner, ChatTurn, FinishReason, play_chat_group
+from post_training_cookbook.rollout.chat import (
+    ChatRunner,
+    ChatSampler,
+    ChatTurn,
+    FinishReason,
+    play_chat_group,
+)
 from post_training_cookbook.rollout.types import Group
 from post_training_cookbook.types import Message, ToolCall, ToolSpec
 
@@ -172,8 +178,21 @@ async def play_hosted(
 ) -> list[Group]:
     """One group of ``settings.episodes_per_task`` chat episodes per task, on ``hosted``."""
     sampler = OpenAIChatSampler(hosted, hosted.api_key())
-    limits = settings.limits
-    runner = ChatRunner(env_factory, sampler, limits)
+    try:
+        return await play_chat_tasks(sampler, tasks, env_factory, settings, on_group)
+    finally:
+        await sampler.close()
+
+
+async def play_chat_tasks(
+    sampler: ChatSampler,
+    tasks: Sequence[Task],
+    env_factory: Callable[[Task], Env],
+    settings: EvalSettings,
+    on_group: Callable[[], None] = lambda: None,
+) -> list[Group]:
+    """One group of ``settings.episodes_per_task`` chat episodes per task, on ``sampler``."""
+    runner = ChatRunner(env_factory, sampler, settings.limits)
     params = SamplingParams(
         max_tokens=settings.limits.max_tokens_per_turn,
         temperature=settings.temperature,
@@ -185,10 +204,7 @@ async def play_hosted(
         on_group()
         return group
 
-    try:
-        return list(await asyncio.gather(*(play_task(task) for task in tasks)))
-    finally:
-        await sampler.close()
+    return list(await asyncio.gather(*(play_task(task) for task in tasks)))
 
 
 # ---------------------------------------------------------------- answers

@@ -268,7 +268,8 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
     for category in categories:
         rows.append(row(f"bfcl {category}", lambda r, c=category: _accuracy(r, c)))
         if any(r.benchmark and category in r.benchmark.turn_accuracy for r in results):
-            rows.append(row(f"bfcl {category} turns", lambda r, c=category: _turns(r, c)))
+            rows.append(row(f"bfcl {category} prefix turns", lambda r, c=category: _prefix(r, c)))
+            rows.append(row(f"bfcl {category} turns (ours)", lambda r, c=category: _turns(r, c)))
     if categories:
         rows.append(row("bfcl overall", lambda r: r.benchmark.overall if r.benchmark else None))
     rows += [row(f"ended: {cause}", lambda r, c=cause: r.termination.get(c)) for cause in CAUSES]
@@ -294,8 +295,13 @@ def _accuracy(result: EvalResult, category: str) -> float | None:
     return result.benchmark.accuracy.get(category) if result.benchmark else None
 
 
+def _prefix(result: EvalResult, category: str) -> float | None:
+    """A multi-turn category's prefix turn accuracy (BFCL's checker)."""
+    return result.benchmark.prefix_turn_accuracy.get(category) if result.benchmark else None
+
+
 def _turns(result: EvalResult, category: str) -> float | None:
-    """A multi-turn category's per-turn accuracy."""
+    """A multi-turn category's per-turn accuracy (our per-turn check)."""
     return result.benchmark.turn_accuracy.get(category) if result.benchmark else None
 
 

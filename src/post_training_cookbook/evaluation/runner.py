@@ -36,8 +36,9 @@ from post_training_cookbook.evaluation.benchmarks import (
     BenchmarkSpec,
     benchmark_inputs,
     score_benchmark,
+    write_benchmark_files,
 )
-from post_training_cookbook.evaluation.hosted import HostedModel, play_hosted
+from post_training_cookbook.evaluation.hosted import HostedModel, play_chat_tasks, play_hosted
 from post_training_cookbook.evaluation.models import (
     EvalModel,
     load_eval_weights,
@@ -52,6 +53,7 @@ from post_training_cookbook.evaluation.results import (
 )
 from post_training_cookbook.models.catalog import check_model_can_sample
 from post_training_cookbook.rollout import (
+    ChatSampler,
     EnvErrorPolicy,
     EpisodeLimits,
     EpisodeRunner,
@@ -62,7 +64,7 @@ from post_training_cookbook.rollout import (
 )
 from post_training_cookbook.sync import run_sync
 
-ModelToScore = str | os.PathLike[str] | HostedModel
+ModelToScore = str | os.PathLike[str] | HostedModel | ChatSampler
 
 
 def evaluate(
@@ -95,7 +97,8 @@ def evaluate(
 
     ``model_or_checkpoint``: a catalog id, a local Hugging Face folder, a run directory (its
     ``final_model``, or its checkpoint ``step``), a checkpoint folder, or a ``HostedModel``
-    (an OpenAI-compatible endpoint; ``codec``, ``step``, ``dtype`` and ``device`` do not apply).
+    (an OpenAI-compatible endpoint; ``codec``, ``step``, ``dtype`` and ``device`` do not apply),
+    or any ``ChatSampler`` (a scripted policy as a baseline: ``ScriptedChat(policy)``).
     ``benchmark``: a published benchmark in place of ``tasks`` and ``env_factory``:
     ``"bfcl"`` (BFCL's five single-turn test categories) or ``"bfcl:simple_python,multiple"``;
     the result's ``benchmark`` holds its report; ``limit``: only the first N items of each
@@ -162,6 +165,15 @@ async def aevaluate(
         name, source, tokenizer = hosted.name, hosted.base_url, "(the endpoint's own)"
         with _Bar(len(tasks), f"eval {name}", progress) as bar:
             groups = await play_hosted(hosted, tasks, env_factory, settings, bar.tick)
+    elif isinstance(model_or_checkpoint, ChatSampler):  # a scripted policy, a baseline
+        if codec is not None or step is not None or dtype is not None:
+            raise ValueError("codec, step and dtype apply to local models, not a ChatSampler")
+        sampler = model_or_checkpoint
+        ks = _checked(tasks, env_factory, settings, pass_k, label)
+        name = getattr(sampler, "name", type(sampler).__name__)
+        source, tokenizer = name, "(none: the sampler's own messages)"
+        with _Bar(len(tasks), f"eval {name}", progress) as bar:
+            groups = await play_chat_tasks(sampler, tasks, env_factory, settings, bar.tick)
     else:
         from post_training_cookbook.service.factory import resolve_device
 
@@ -207,6 +219,7 @@ def write_eval(result: EvalResult, runs_dir: Path) -> Path:
     with (folder / "episodes.jsonl").open("w") as file:
         for record in _episode_records(result.groups):
             file.write(json.dumps(record, default=str) + "\n")
+    write_benchmark_files(result.groups, folder)
     result.output_dir = folder
     (folder / "summary.json").write_text(json.dumps(result.to_dict(), indent=1, default=str))
     return folder

@@ -10,7 +10,8 @@ the endings read here:
 - ``max_turns``, ``max_tokens_per_turn`` (sent as the request's ``max_tokens``; a turn cut
   there counts in ``length_capped``), env endings and env errors: as in ``play.py``;
 - ``PARSE_FAILURE``: the endpoint answered a tool call whose arguments are not a JSON object
-  (the codecs' rule); the reward is ``failed_parse_reward``;
+  (the codecs' rule); the reward is ``failed_parse_reward`` (an env that takes unparsed
+  replies as text gets an empty text reply instead, as in ``play.py``);
 - ``CONTEXT_OVERFLOW``: the endpoint refused the prompt as too long, or reported a prompt
   plus completion past ``max_model_length``. Those are the endpoint's tokens, not ours: the
   limit holds in its tokenizer's count, and not at all where it reports no usage.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.envs.base import Env, Task
@@ -40,6 +41,7 @@ from post_training_cookbook.rollout.play import (
     reset_env,
     run_episode,
     step_env,
+    takes_unparsed_replies,
 )
 from post_training_cookbook.rollout.types import (
     DrivenEnv,
@@ -70,6 +72,7 @@ class ChatTurn:
     completion_tokens: int | None = None
 
 
+@runtime_checkable
 class ChatSampler(Protocol):
     """What a chat episode needs from a model: one assistant message for a conversation."""
 
@@ -107,10 +110,14 @@ class ChatDriver:
                 episode.truncation = TruncationCause.CONTEXT_OVERFLOW
                 break
             episode.length_capped_turns += turn.finish_reason == "length"
-            if turn.message is None:
-                end_unparsed(episode, limits)
-                break
-            added = await step_env(episode, env, turn.message, conversation, limits)
+            message = turn.message
+            if message is None:
+                if not takes_unparsed_replies(env):
+                    end_unparsed(episode, limits)
+                    break
+                episode.unparsed_turns += 1  # the endpoint's text is not kept: a call that
+                message = Message(role="assistant", content="")  # did not decode, as text
+            added = await step_env(episode, env, message, conversation, limits)
             if added is None:  # the env ended the episode
                 break
             conversation += added

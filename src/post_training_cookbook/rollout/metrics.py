@@ -50,7 +50,9 @@ def episode_metrics(
         "reward_max": max(rewards),
         "terminated_ratio": sum(cause is None for cause in causes) / count,
         "truncated_ratio": sum(cause is not None for cause in causes) / count,
-        "parse_rate": 1 - causes.count(TruncationCause.PARSE_FAILURE) / max(1, turns),
+        "parse_rate": 1
+        - (causes.count(TruncationCause.PARSE_FAILURE) + sum(e.unparsed_turns for e in episodes))
+        / max(1, turns),
         "length_capped": sum(e.length_capped_turns > 0 for e in episodes) / count,
         "env_error_ratio": sum(e.env_error is not None for e in episodes) / count,
         "env_close_error_ratio": sum(e.close_error is not None for e in episodes) / count,

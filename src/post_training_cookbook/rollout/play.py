@@ -9,7 +9,9 @@ How an episode ends (``Episode.truncation``):
   the context budget, or tool results that would not fit);
 - ``PARSE_FAILURE``: the sampled message could not be parsed; the reward is
   ``failed_parse_reward``. A turn cut at ``max_tokens_per_turn`` is parsed as it is (the
-  codec closes it): it is a parse failure only if it does not parse.
+  codec closes it): it is a parse failure only if it does not parse. An env with
+  ``unparsed_replies = "as_text"`` gets such a reply as a text message instead, and the
+  episode goes on (``Episode.unparsed_turns`` counts them).
 
 Reward and metrics come from the step that ends the episode; when the loop ends it, from the
 env's last step (usually 0.0 and no metrics). Every step's reward is kept too, one per turn
@@ -259,10 +261,16 @@ class TokenDriver:
                 return
             episode.length_capped_turns += sampled.stop_reason == "length"
             parsed = codec.parse(sampled.tokens, tools)  # the schemas type the arguments
-            if parsed.message is None:
-                end_unparsed(episode, limits)
-                return
-            added = await step_env(episode, env, parsed.message, conversation, limits)
+            message = parsed.message
+            if message is None:
+                if not takes_unparsed_replies(env):
+                    end_unparsed(episode, limits)
+                    return
+                episode.unparsed_turns += 1
+                said = [t for t in sampled.tokens if t not in codec.stop_token_ids]
+                text = str(codec.tokenizer.decode(said))
+                message = Message(role="assistant", content=text)
+            added = await step_env(episode, env, message, conversation, limits)
             if added is None:  # the env ended the episode
                 return
             room = limits.max_model_length - len(episode.tokens)
@@ -283,6 +291,12 @@ def _env_call(
     """``start()`` (an env method) under the step timeout, named by task and turn."""
     label = f"env.{what} of task {episode.task.prompt[:80]!r}, turn {episode.num_turns}"
     return call_env(start, what, limits.env_step_timeout_s, label)
+
+
+def takes_unparsed_replies(env: Env) -> bool:
+    """Whether ``env`` reads a reply the codec could not parse as text (``Env.unparsed_replies``)
+    instead of the rollout ending the episode on it."""
+    return getattr(env, "unparsed_replies", "end_episode") == "as_text"
 
 
 def end_unparsed(episode: Episode, limits: EpisodeLimits) -> None:

@@ -27,6 +27,7 @@ def episode_record(episode: Episode) -> dict[str, Any]:
         "num_tokens": len(episode.tokens),
         "num_sampled_tokens": episode.num_sampled_tokens,
         "length_capped_turns": episode.length_capped_turns,
+        "unparsed_turns": episode.unparsed_turns,
         "metrics": episode.metrics,
         "env_error": episode.env_error,
         "close_error": episode.close_error,

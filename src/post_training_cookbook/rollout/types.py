@@ -156,6 +156,8 @@ class Episode:
     num_turns: int = 0
     env_error: str | None = None
     length_capped_turns: int = 0
+    unparsed_turns: int = 0
+    """Replies the codec could not parse that the env took as text (``Env.unparsed_replies``)."""
     """Turns cut at ``max_tokens_per_turn`` (not counting a context-budget cut)."""
     close_error: str | None = None
     """``env.close()`` failed (under ``env_errors="truncate"`` or ``"retry"``); the episode

@@ -45,6 +45,10 @@ class ScriptedChat:
 
     policy: ScriptedPolicy
 
+    @property
+    def name(self) -> str:
+        return type(self.policy).__name__
+
     async def chat(
         self, messages: list[Message], tools: list[ToolSpec], params: SamplingParams
     ) -> ChatTurn:

@@ -31,7 +31,7 @@ from post_training_cookbook.bundled_envs.bfcl.data import (
     question_texts,
 )
 from post_training_cookbook.bundled_envs.bfcl.env import BFCLEnv
-from post_training_cookbook.bundled_envs.bfcl.ground_truth import GroundTruthPlayer
+from post_training_cookbook.bundled_envs.bfcl.ground_truth import GroundTruthPlayer, NeverCallPlayer
 from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
     MULTI_TURN_CATEGORIES,
     MultiTurnEntry,
@@ -61,6 +61,7 @@ __all__ = [
     "BFCLVerdict",
     "GroundTruthPlayer",
     "MultiTurnEntry",
+    "NeverCallPlayer",
     "bfcl_multi_turn_tasks",
     "bfcl_tasks",
     "bfcl_train_tasks",

@@ -179,16 +179,23 @@ def check_turn(
 
 
 def check_entry(entry: MultiTurnEntry, turns: Sequence[Sequence[Sequence[str]]]) -> TurnVerdict:
-    """BFCL's verdict on the entry (``multi_turn_checker``): ``turns`` holds, per user turn,
-    the calls of each reply that made some. Fewer turns than the entry has: BFCL's
-    ``force_terminated``."""
+    """BFCL's verdict on the entry, as its eval runner reaches it: ``turns`` holds, per user
+    turn played, the calls of each reply that made some. Fewer turns than the entry has: the
+    runner's ``force_terminated``; else ``multi_turn_checker``'s verdict."""
     if len(turns) != len(entry.ground_truth):
         return TurnVerdict(False, "multi_turn:force_terminated")
+    return check_prefix(entry, turns)
+
+
+def check_prefix(entry: MultiTurnEntry, turns: Sequence[Sequence[Sequence[str]]]) -> TurnVerdict:
+    """``multi_turn_checker`` on the first ``len(turns)`` turns of the entry (the model's and
+    the ground truth's). The checker walks the turns in order and stops at the first that
+    fails, so a prefix passes exactly when the entry's first failing turn lies past it."""
     model_name = f"ptc_{uuid.uuid4().hex[:12]}_check"
     try:
         result = bfcl_multi_turn().checker.multi_turn_checker(
             [[list(step) for step in turn] for turn in turns],
-            [list(calls) for calls in entry.ground_truth],
+            [list(calls) for calls in entry.ground_truth[: len(turns)]],
             {
                 "id": entry.id,
                 "initial_config": copy.deepcopy(entry.initial_config),

@@ -74,6 +74,15 @@ class GroundTruthPlayer:
         return Message(role="assistant", content=TURN_DONE if calls else NOTHING_TO_DO)
 
 
+class NeverCallPlayer:
+    """A ``ScriptedPolicy`` that answers every user turn with ``TURN_DONE`` and no call: the
+    baseline a model that never acts scores (``ScriptedChat(NeverCallPlayer())`` in
+    ``evaluate``)."""
+
+    def next_message(self, messages: list[Message]) -> Message:
+        return Message(role="assistant", content=TURN_DONE)
+
+
 def ground_truth_call(entry: MultiTurnEntry, source: str) -> DecodedCall:
     """A ground-truth call (``mv(source='a', destination='b')``, positional or not) with
     every argument named, as a model's tool call names them."""
