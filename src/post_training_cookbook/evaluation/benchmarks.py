@@ -30,6 +30,7 @@ not fit in ``max_model_length`` counts as wrong.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -240,10 +241,34 @@ def turn_score(clusters: Sequence[tuple[int, int]]) -> CategoryScore:
 
 def write_benchmark_files(groups: Sequence[Group], folder: Path) -> None:
     """Files a benchmark's own tools read, beside an evaluation's episodes: BFCL multi-turn's
-    ``bfcl_results.jsonl`` when ``groups`` played any of its entries."""
-    from post_training_cookbook.bundled_envs.bfcl.results_file import write_results
+    ``bfcl_results.jsonl`` (``bundled_envs/bfcl/results_file.py``) when ``groups`` played any
+    of its entries."""
+    from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
+        METADATA_KEY,
+        MultiTurnEntry,
+    )
+    from post_training_cookbook.bundled_envs.bfcl.results_file import RESULTS_FILE, result_record
 
-    write_results(groups, folder)
+    lines = []
+    for group in groups:
+        if METADATA_KEY not in group.task.metadata:
+            continue
+        entry = MultiTurnEntry.from_task(group.task)
+        for episode in group.episodes:
+            record = result_record(entry, episode.messages, episode.metrics, _early_end(episode))
+            lines.append(json.dumps(record))
+    if lines:
+        (folder / RESULTS_FILE).write_text("\n".join(lines) + "\n")
+
+
+def _early_end(episode: Episode) -> str | None:
+    """Why the rollout, not the env, ended ``episode`` (BFCL's runner fails such an entry)."""
+    if episode.env_error:
+        return f"the env failed: {episode.env_error}"
+    if episode.truncation in (None, TruncationCause.ENV):
+        return None
+    assert episode.truncation is not None
+    return f"the episode ended early: {episode.truncation.value}"
 
 
 def binomial_se(score: CategoryScore) -> float:

@@ -1,5 +1,6 @@
 """The calls of played BFCL multi-turn entries, one JSON line per entry, as BFCL's checker
-takes them: a file ``bfcl-eval`` alone can score (``scripts/bfcl_rescore.py``).
+takes them: a file ``bfcl-eval`` alone can score (``scripts/bfcl_rescore.py``). An
+evaluation writes it (``evaluation/benchmarks.py``: ``write_benchmark_files``).
 
 Each line: ``id``, ``category``, ``turns`` (the entry's), ``result``, ``inference_error`` and
 ours (``valid``, ``prefix_turns``: the env's verdict and passing prefix). ``result`` is what
@@ -15,14 +16,11 @@ runner fails such an entry, and the turn it ended in counts as unfinished.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from post_training_cookbook.bundled_envs.bfcl.backends import Backends, checked_source, decode_calls
-from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import METADATA_KEY, MultiTurnEntry
-from post_training_cookbook.rollout.types import Episode, Group, TruncationCause
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry
 from post_training_cookbook.types import Message
 
 RESULTS_FILE = "bfcl_results.jsonl"
@@ -48,37 +46,20 @@ def played_calls(entry: MultiTurnEntry, messages: Sequence[Message]) -> list[lis
         backends.close()
 
 
-def result_record(entry: MultiTurnEntry, episode: Episode) -> dict[str, Any]:
-    """One line of the results file for ``episode`` of ``entry``."""
-    ended_by_env = episode.truncation in (None, TruncationCause.ENV) and not episode.env_error
-    cause = episode.env_error or (episode.truncation.value if episode.truncation else "")
+def result_record(
+    entry: MultiTurnEntry,
+    messages: Sequence[Message],
+    metrics: dict[str, float],
+    inference_error: str | None,
+) -> dict[str, Any]:
+    """One line of the results file: the calls of an episode of ``entry`` (its ``messages``),
+    the env's verdict from its last ``metrics``, and why the rollout ended it early, if it did."""
     return {
         "id": entry.id,
         "category": entry.category,
         "turns": len(entry.turns),
-        "result": played_calls(entry, episode.messages),
-        "inference_error": None if ended_by_env else f"the episode ended early: {cause}",
-        "valid": episode.metrics.get("bfcl_mt_entry_valid") == 1.0,
-        "prefix_turns": int(episode.metrics.get("bfcl_mt_prefix_turns", 0.0)),
+        "result": played_calls(entry, messages),
+        "inference_error": inference_error,
+        "valid": metrics.get("bfcl_mt_entry_valid") == 1.0,
+        "prefix_turns": int(metrics.get("bfcl_mt_prefix_turns", 0.0)),
     }
-
-
-def result_records(groups: Sequence[Group]) -> Iterator[dict[str, Any]]:
-    """The results file's lines of every BFCL multi-turn episode in ``groups``."""
-    for group in groups:
-        if METADATA_KEY not in group.task.metadata:
-            continue
-        entry = MultiTurnEntry.from_task(group.task)
-        for episode in group.episodes:
-            yield result_record(entry, episode)
-
-
-def write_results(groups: Sequence[Group], folder: Path) -> Path | None:
-    """``folder/bfcl_results.jsonl`` for the BFCL multi-turn episodes of ``groups``; None
-    (and no file) when there are none."""
-    lines = [json.dumps(record) for record in result_records(groups)]
-    if not lines:
-        return None
-    target = folder / RESULTS_FILE
-    target.write_text("\n".join(lines) + "\n")
-    return target
