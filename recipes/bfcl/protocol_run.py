@@ -207,12 +207,12 @@ keeps what it scored; ``report`` reads whichever have run."""
 
 def seen_call_lists() -> set[tuple[str, ...]]:
     """Every ground-truth call list of a user turn in the train split (all categories, all
-    prompt lengths): a held-out turn with one of these is of a seen pattern."""
+    prompt lengths; the empty list of a turn that needs no call among them): a held-out turn
+    with one of these is of a seen pattern."""
     return {
         tuple(calls)
         for entry in load_multi_turn_entries(CATEGORIES, "train")  # type: ignore[arg-type]
         for calls in entry.ground_truth
-        if calls
     }
 
 
