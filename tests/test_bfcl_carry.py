@@ -5,12 +5,14 @@ same SFT model, bit for bit, and a GRPO run that resumes from its carried checkp
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from sft_common import demonstration_files, small_config
 from sft_common import run as sft_run
 from transformers import AutoModelForCausalLM
 
@@ -18,6 +20,7 @@ from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TASKS, ToolU
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import BUNDLED_MODEL_DIR
+from post_training_cookbook.sft import train_sft
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "recipes" / "bfcl"))
 import carry
@@ -70,6 +73,33 @@ def test_a_carried_run_gives_the_same_sft_model_and_resumes_its_grpo_run(tiny_ll
         "step_000002",
         "step_000003",
     ]
+
+
+def test_an_unfinished_sft_run_is_carried_whole_and_resumes_where_it_stopped(
+    tiny_llama_dir, tmp_path
+):
+    out, docs, elsewhere = tmp_path / "out", tmp_path / "docs", tmp_path / "elsewhere"
+    sft_run(tiny_llama_dir, tmp_path / "sft_data", "sft", num_steps=2, use_lora=True)
+    (tmp_path / "sft_data" / "runs" / "sft").rename(out.mkdir() or out / "sft")
+    shutil.rmtree(out / "sft" / "final_model")  # stopped after its checkpoint of step 2
+    (out / "evals" / "eval_sft_base").mkdir(parents=True)
+    (out / "evals" / "eval_sft_base" / "bfcl_results.jsonl").write_text('{"id": "x"}\n')
+
+    carry.save(out, docs)
+    assert not (docs / "sft_adapter").exists()
+    assert (docs / "sft_checkpoint" / "optimizer.safetensors").is_file()  # exact resume
+    assert (docs / "bfcl_results" / "eval_sft_base.jsonl").read_text() == '{"id": "x"}\n'
+
+    carry.restore(docs, elsewhere)
+    original_lines = (out / "sft" / "metrics.jsonl").read_text().splitlines()
+    config = small_config(tiny_llama_dir, elsewhere, "sft", num_steps=3, use_lora=True, resume=True)
+    run = train_sft(config, *demonstration_files(tmp_path / "sft_data"))
+    lines = (run.path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines][:3] == [0, 1, 2]
+    assert lines[:2] == original_lines[:2]  # steps 0-1 carried, step 2 trained here
+    carry.save(elsewhere, docs)  # finished now: carried as its adapter
+    assert (docs / "sft_adapter" / "trainable.safetensors").is_file()
+    assert not (docs / "sft_checkpoint").exists()
 
 
 def test_new_token_rows_start_as_the_mean_of_the_rows_of_their_text(tiny_llama_dir, tmp_path):

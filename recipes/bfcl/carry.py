@@ -5,12 +5,13 @@ one working session here, and only what is committed outlives one.
     python recipes/bfcl/carry.py restore docs/runs/bfcl_multi_turn/run1 OUT
 
 ``save`` copies into the docs folder what the run cannot rebuild cheaply: every finished
-stage's JSON; the SFT stage's config, metrics and adapter (the newest checkpoint's trainable
-weights and ``trainer_state.json``, 35 MB, not its optimizer state); and for each GRPO run its
-config, metrics and newest checkpoint, whole (optimizer and RNG states included, 53 MB at
-LoRA rank 8), so that resuming it is exact. ``restore`` rebuilds ``OUT`` from them: the stage
+stage's JSON; every evaluation folder's ``bfcl_results.jsonl``; a finished SFT stage's config,
+metrics and adapter (the newest checkpoint's trainable weights and ``trainer_state.json``, not
+its optimizer state); and for each GRPO run, and an SFT run that has not finished, its config,
+metrics and newest checkpoint, whole (optimizer and RNG states included, 53-62 MB at LoRA rank
+8), so that resuming it is exact. ``restore`` rebuilds ``OUT`` from them: the stage
 files, ``sft/final_model`` merged from the base model and the adapter (the same weights the
-SFT stage wrote), and each GRPO run folder, which then resumes from its checkpoint. The
+SFT stage wrote), and each run folder carried whole, which then resumes from its checkpoint. The
 demonstrations (``demos`` stage, a minute) are not carried: the recipe writes them again.
 Use the same ``OUT`` path on both sides: a GRPO run's config names its start model by path,
 and a resumed run must keep its config.
@@ -24,6 +25,9 @@ import sys
 from pathlib import Path
 
 ADAPTER = "sft_adapter"
+RESULTS_FILE = "bfcl_results.jsonl"
+"""Each evaluation folder's calls as BFCL's checker takes them (``results_file.py``), carried
+into ``bfcl_results/<evaluation folder>.jsonl``: small, and the evidence a reader re-scores."""
 ADAPTER_FILES = ("trainable.safetensors", "trainer_state.json")
 NOT_CARRIED = {"demos.json"}
 """Its stage writes ``demos.jsonl`` beside it, which is not carried: the stage runs again."""
@@ -31,6 +35,14 @@ NOT_CARRIED = {"demos.json"}
 
 def grpo_runs(out: Path) -> list[Path]:
     return sorted(p for p in out.glob("grpo*") if p.is_dir() and (p / "config.yaml").exists())
+
+
+def resumable_runs(out: Path) -> list[Path]:
+    """The training runs carried whole, to resume: every GRPO run, and an SFT run that has
+    not finished (a finished one is carried as its adapter)."""
+    sft = out / "sft"
+    unfinished = (sft / "config.yaml").exists() and not (sft / "final_model").is_dir()
+    return ([sft] if unfinished else []) + grpo_runs(out)
 
 
 def newest_checkpoint(run: Path) -> Path | None:
@@ -53,10 +65,14 @@ def save(out: Path, docs: Path) -> None:
     elif (sft / "final_model").is_dir() and checkpoint is not None:
         shutil.copy2(sft / "config.yaml", docs / "sft_config.yaml")
         shutil.copy2(sft / "metrics.jsonl", docs / "sft_metrics.jsonl")
+        shutil.rmtree(docs / "sft_checkpoint", ignore_errors=True)  # carried while unfinished
         (docs / ADAPTER).mkdir(exist_ok=True)
         for name in ADAPTER_FILES:
             shutil.copy2(checkpoint / name, docs / ADAPTER / name)
-    for run in grpo_runs(out):
+    for results in sorted(out.glob(f"evals/*/{RESULTS_FILE}")):  # BFCL's own checker reads these
+        (docs / "bfcl_results").mkdir(exist_ok=True)
+        shutil.copy2(results, docs / "bfcl_results" / f"{results.parent.name}.jsonl")
+    for run in resumable_runs(out):
         shutil.copy2(run / "config.yaml", docs / f"{run.name}_config.yaml")
         for earlier in run.glob("config.before_*.yaml"):  # a resume that changed a setting
             shutil.copy2(earlier, docs / f"{run.name}_{earlier.name}")
@@ -77,7 +93,10 @@ def restore(docs: Path, out: Path) -> None:
             shutil.copy2(stage, out / stage.name)
     if (docs / ADAPTER).is_dir() and not (out / "sft" / "final_model").exists():
         merge_adapter(docs, out / "sft")
-    for config in sorted(docs.glob("grpo*_config.yaml")):
+    carried = sorted(docs.glob("grpo*_config.yaml"))
+    if (docs / "sft_checkpoint").is_dir() and not (docs / ADAPTER).is_dir():
+        carried.insert(0, docs / "sft_config.yaml")  # an SFT run carried unfinished
+    for config in carried:
         name = config.name.removesuffix("_config.yaml")
         run = out / name
         if run.exists():
