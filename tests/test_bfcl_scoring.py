@@ -202,3 +202,24 @@ def test_the_never_call_baseline_scores_what_the_ground_truth_allows(tmp_path):
     assert report["disagreements"] == []
     assert report["per_category"]["pooled"]["entries"] == 12
     assert report["per_category"]["pooled"]["entry_accuracy"] == 0.0
+
+
+def test_an_episode_the_rollout_cut_short_is_an_inference_error_in_the_results_file(tmp_path):
+    result = evaluate(
+        ScriptedChat(NeverCallPlayer()),
+        benchmark="bfcl_multi_turn:miss_func@held_out",
+        limit=3,
+        max_turns=1,  # the rollout ends every episode after its first reply
+        runs_dir=tmp_path,
+    )
+    assert result.output_dir is not None
+    lines = [
+        json.loads(line)
+        for line in (Path(result.output_dir) / RESULTS_FILE).read_text().splitlines()
+    ]
+    assert [line["inference_error"] for line in lines] == [
+        "the episode ended early: max_turns"
+    ] * 3
+    report = bfcl_rescore.rescore(Path(result.output_dir) / RESULTS_FILE)
+    assert report["disagreements"] == []  # the unfinished turn counts as failing on both sides
+    assert report["per_category"]["pooled"]["entry_accuracy"] == 0.0
