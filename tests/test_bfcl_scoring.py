@@ -217,9 +217,7 @@ def test_an_episode_the_rollout_cut_short_is_an_inference_error_in_the_results_f
         json.loads(line)
         for line in (Path(result.output_dir) / RESULTS_FILE).read_text().splitlines()
     ]
-    assert [line["inference_error"] for line in lines] == [
-        "the episode ended early: max_turns"
-    ] * 3
+    assert [line["inference_error"] for line in lines] == ["the episode ended early: max_turns"] * 3
     report = bfcl_rescore.rescore(Path(result.output_dir) / RESULTS_FILE)
     assert report["disagreements"] == []  # the unfinished turn counts as failing on both sides
     assert report["per_category"]["pooled"]["entry_accuracy"] == 0.0
