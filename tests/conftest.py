@@ -60,3 +60,13 @@ def full_fp32() -> Iterator[None]:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+@pytest.fixture(scope="module")
+def bfcl_handler() -> Any:
+    """BFCL's OpenAI FC handler, which its eval runner decodes recorded replies with."""
+    from bfcl_eval.model_handler.api_inference.openai_completion import OpenAICompletionsHandler
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPENAI_API_KEY", "unused-no-request-is-made")
+        return OpenAICompletionsHandler("gpt-4o-2024-11-20", 0.001, "gpt-4o-2024-11-20-FC", True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from post_training_cookbook.bundled_envs.bfcl.backends import Backends, DecodedCall
+from post_training_cookbook.bundled_envs.bfcl.backends import Backends, DecodedCall, forget
 from post_training_cookbook.bundled_envs.bfcl.ground_truth import (
     GroundTruthPlayer,
     ground_truth_call,
@@ -294,20 +294,24 @@ def bfcl_model_result(turns: list[list[Reply]]) -> list[list[object]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def bfcl_handler():
-    from bfcl_eval.model_handler.api_inference.openai_completion import OpenAICompletionsHandler
+def bfcl_eval_verdict(handler, entry: MultiTurnEntry, turns: list[list[Message]]) -> bool:
+    """``bfcl-eval``'s runner on the replies, as BFCL's OpenAI FC handler records them."""
+    from bfcl_eval.eval_checker.eval_runner import _evaluate_single_multi_turn_entry
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OPENAI_API_KEY", "unused-no-request-is-made")
-        return OpenAICompletionsHandler("gpt-4o-2024-11-20", 0.001, "gpt-4o-2024-11-20-FC", True)
+    prompt = {
+        "id": entry.id,
+        "initial_config": copy.deepcopy(entry.initial_config),
+        "involved_classes": list(entry.involved_classes),
+    }
+    theirs = _evaluate_single_multi_turn_entry(
+        handler, entry.id, bfcl_model_result(turns),
+        [list(calls) for calls in entry.ground_truth], prompt, "ptc_bfcl_runner", entry.category,
+    )  # fmt: skip
+    forget("ptc_bfcl_runner")
+    return bool(theirs["valid"])
 
 
 def test_entry_verdicts_equal_bfcl_evals_runner_on_recorded_and_damaged_replies(bfcl_handler):
-    from bfcl_eval.eval_checker.eval_runner import _evaluate_single_multi_turn_entry
-
-    from post_training_cookbook.bundled_envs.bfcl.backends import forget
-
     cases = recorded_and_perturbed()
     assert len(cases) == 12 * len(DAMAGES) + 8
     verdicts = []
@@ -315,20 +319,10 @@ def test_entry_verdicts_equal_bfcl_evals_runner_on_recorded_and_damaged_replies(
         queue = [r for replies in turns for r in replies]
         env = asyncio.run(play(entry, lambda messages, queue=queue: queue.pop(0)))
         assert not queue, entry.id  # the env ended each turn where the replies did
-        prompt = {
-            "id": entry.id,
-            "initial_config": copy.deepcopy(entry.initial_config),
-            "involved_classes": list(entry.involved_classes),
-        }
-        theirs = _evaluate_single_multi_turn_entry(
-            bfcl_handler, entry.id, bfcl_model_result(turns),
-            [list(calls) for calls in entry.ground_truth], prompt, "ptc_bfcl_runner",
-            entry.category,
-        )  # fmt: skip
-        forget("ptc_bfcl_runner")
+        theirs = bfcl_eval_verdict(bfcl_handler, entry, turns)
         assert env.entry_verdict is not None
-        assert env.entry_verdict.valid == theirs["valid"], (entry.id, theirs.get("error"))
-        verdicts.append(theirs["valid"])
+        assert env.entry_verdict.valid == theirs, entry.id
+        verdicts.append(theirs)
     assert True in verdicts and False in verdicts  # both verdicts are exercised
     assert not leftover_instances()
 

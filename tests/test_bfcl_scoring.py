@@ -6,16 +6,14 @@ decode), the results file that ``bfcl-eval`` alone re-scores, and the never-call
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from test_bfcl_multi_turn import (
     DAMAGES,
-    bfcl_model_result,
+    bfcl_eval_verdict,
     leftover_instances,
     one_call_each,
     play,
@@ -23,7 +21,7 @@ from test_bfcl_multi_turn import (
     reply,
 )
 
-from post_training_cookbook.bundled_envs.bfcl.backends import DecodedCall, forget
+from post_training_cookbook.bundled_envs.bfcl.backends import DecodedCall
 from post_training_cookbook.bundled_envs.bfcl.ground_truth import (
     GroundTruthPlayer,
     NeverCallPlayer,
@@ -44,23 +42,6 @@ import bfcl_rescore  # noqa: E402  (scripts/ is not a package)
 
 PWD = DecodedCall("pwd", {})
 """A read-only call of the file system backend: it changes no state."""
-
-
-def bfcl_eval_verdict(handler, entry: MultiTurnEntry, turns: list[list[Message]]) -> bool:
-    """``bfcl-eval``'s runner on the replies, as BFCL's OpenAI FC handler records them."""
-    from bfcl_eval.eval_checker.eval_runner import _evaluate_single_multi_turn_entry
-
-    prompt = {
-        "id": entry.id,
-        "initial_config": copy.deepcopy(entry.initial_config),
-        "involved_classes": list(entry.involved_classes),
-    }
-    theirs = _evaluate_single_multi_turn_entry(
-        handler, entry.id, bfcl_model_result(turns),
-        [list(calls) for calls in entry.ground_truth], prompt, "ptc_bfcl_runner", entry.category,
-    )  # fmt: skip
-    forget("ptc_bfcl_runner")
-    return bool(theirs["valid"])
 
 
 def rescored(entry: MultiTurnEntry, calls: list, inference_error: str | None = None):
@@ -95,15 +76,6 @@ def variant_cases() -> list[tuple[MultiTurnEntry, list[list[Message]]]]:
         for damage in DAMAGES:
             cases.append((entry, [damage(index, calls) for index, calls in enumerate(truth)]))
     return cases
-
-
-@pytest.fixture(scope="module")
-def bfcl_handler():
-    from bfcl_eval.model_handler.api_inference.openai_completion import OpenAICompletionsHandler
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OPENAI_API_KEY", "unused-no-request-is-made")
-        return OpenAICompletionsHandler("gpt-4o-2024-11-20", 0.001, "gpt-4o-2024-11-20-FC", True)
 
 
 def test_entry_verdicts_and_prefixes_equal_bfcl_evals_on_every_category(bfcl_handler):
