@@ -193,6 +193,246 @@ def sft_model(out: Path, category: str) -> dict:
     return score(str(out / "sft" / "final_model"), out, "sft", category, codec=QWEN_CODEC)
 
 
+TRAIN_LIMITS = {
+    "max_turns": 60,
+    "max_model_length": MAX_MODEL_LENGTH,
+    "max_tokens_per_turn": 256,
+}
+TRAIN_STEPS_PER_TURN = 6
+"""Sampling on train entries (RFT's samples, GRPO's episodes) bounds a user turn at 6 replies
+with calls (the 7th force-quits): a compute bound of training only; every score uses BFCL's."""
+GRPO_STEPS, GRPO_GROUPS, GRPO_GROUP_SIZE, GRPO_ROUNDS = 16, 2, 6, 3
+GRPO_EPISODE_BUDGET = GRPO_STEPS * GRPO_GROUPS * GRPO_GROUP_SIZE * GRPO_ROUNDS
+"""The most episodes one GRPO seed may sample (every step taking every dynamic-sampling
+round): 576. RFT samples at least as many (``RFT_SAMPLES`` per train entry: 612)."""
+RFT_SAMPLES = 3
+BEST_OF = 4
+"""(e): (c)'s samples per held-out entry at temperature 1; an entry counts when any passes."""
+
+
+def train_env_factory(reward: str):
+    def factory(task):
+        return BFCLMultiTurnEnv(reward=reward, max_steps_per_turn=TRAIN_STEPS_PER_TURN)  # type: ignore[arg-type]
+
+    return factory
+
+
+def train_tasks() -> list:
+    return [entry.to_task() for category in CATEGORIES for entry in train_entries(category)]
+
+
+def rft_samples(out: Path, category: str) -> dict:
+    """(d)'s data: ``RFT_SAMPLES`` episodes of (c) per train entry of ``category`` at
+    temperature 1; each episode kept up to the end of the turns BFCL's checker passes (its
+    prefix), the whole episode when the entry passes."""
+    from post_training_cookbook.evaluation import evaluate
+    from post_training_cookbook.sft.conversations import Conversation
+
+    entries = train_entries(category)
+    result = evaluate(
+        str(out / "sft" / "final_model"), [entry.to_task() for entry in entries],
+        train_env_factory("entry"), RFT_SAMPLES, temperature=1.0, codec=QWEN_CODEC,
+        label=f"rft_samples_{category}", runs_dir=out / "evals", progress=True,
+        max_batch_size=16, **TRAIN_LIMITS,
+    )  # fmt: skip
+    kept, episodes, whole = [], 0, 0
+    for group in result.groups:
+        entry = MultiTurnEntry.from_task(group.task)
+        for episode in group.episodes:
+            episodes += 1
+            prefix = int(episode.metrics.get("bfcl_mt_prefix_turns", 0.0))
+            whole += prefix == len(entry.turns)
+            if prefix:
+                messages = passed_turns(episode.messages, prefix)
+                kept.append(Conversation(messages, entry.tool_specs).to_json())
+    target = out / f"rft_demos_{category}.jsonl"
+    target.write_text("".join(line + "\n" for line in kept))
+    turns = sum(len(e.turns) for e in entries) * RFT_SAMPLES
+    return {
+        "category": category,
+        "episodes": episodes,
+        "kept_conversations": len(kept),
+        "whole_entries": whole,
+        "prefix_turn_accuracy": result.metrics.get("eval/env/bfcl_mt_prefix_turn_accuracy"),
+        "turns_sampled": turns,
+        "eval_dir": str(result.output_dir),
+    }
+
+
+def passed_turns(messages: list, prefix: int) -> list:
+    """``messages`` up to the end of their first ``prefix`` user turns (a user turn starts at
+    a user message that follows another role)."""
+    starts = [
+        i
+        for i, message in enumerate(messages)
+        if message["role"] == "user" and (i == 0 or messages[i - 1]["role"] != "user")
+    ]
+    return list(messages[: starts[prefix]] if prefix < len(starts) else messages)
+
+
+def rft(out: Path) -> dict:
+    """Baseline (d): SFT from (c) on the turns of its own samples that BFCL's checker passed,
+    with (c)'s settings."""
+    from post_training_cookbook.sft import SFTConfig, train_sft
+
+    lines = [
+        line
+        for category in CATEGORIES
+        for line in (out / f"rft_demos_{category}.jsonl").read_text().splitlines()
+    ]
+    (out / "rft_demos.jsonl").write_text("".join(line + "\n" for line in lines))
+    config = SFTConfig(
+        model=str(out / "sft" / "final_model"),
+        codec=QWEN_CODEC,
+        max_model_length=MAX_MODEL_LENGTH,
+        batch_tokens=23000,
+        batch_by_prompt=True,
+        num_epochs=1,
+        gradient_checkpointing=True,
+        trainer_precision="bf16",
+        learning_rate=2e-4,
+        lr_schedule="cosine",
+        lora_rank=8,
+        lora_alpha=16,
+        validation_interval=0,
+        checkpoint_interval=1,
+        runs_dir=str(out),
+        run_name="rft",
+        resume=(out / "rft").exists(),
+        wandb_project=None,
+    )
+    run = train_sft(config, out / "rft_demos.jsonl")
+    return {"conversations": len(lines), "final_model": str(run.final_model_dir)}
+
+
+def best_of_n(out: Path, category: str) -> dict:
+    """Reference (e): ``BEST_OF`` samples of (c) per held-out entry at temperature 1, BFCL's
+    loop and bounds; an entry passes when any sample passes, its prefix is the longest."""
+    from post_training_cookbook.evaluation import evaluate
+
+    result = evaluate(
+        str(out / "sft" / "final_model"), [entry.to_task() for entry in held_out(category)],
+        env_factory, BEST_OF, temperature=1.0, codec=QWEN_CODEC,
+        label=f"best_of_{BEST_OF}_{category}", runs_dir=out / "evals", progress=True, **EVAL,
+    )  # fmt: skip
+    per_entry = {}
+    for group in result.groups:
+        entry = MultiTurnEntry.from_task(group.task)
+        metrics = [episode.metrics for episode in group.episodes]
+        per_entry[entry.id] = {
+            "turns": len(entry.turns),
+            "valid": any(m.get("bfcl_mt_entry_valid") == 1.0 for m in metrics),
+            "prefix_turns": max(int(m.get("bfcl_mt_prefix_turns", 0.0)) for m in metrics),
+            "turns_valid_ours": max(int(m.get("bfcl_mt_turns_valid", 0.0)) for m in metrics),
+        }
+    return {"category": category, "samples": BEST_OF, "per_entry": per_entry,
+            "eval_dir": str(result.output_dir)}  # fmt: skip
+
+
+SEED = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 0
+"""``--seed N``: GRPO's seed (the protocol's are 0, 1 and 2)."""
+
+
+def rft_model(out: Path, category: str) -> dict:
+    """Baseline (d) on the held-out entries of ``category``."""
+    return score(str(out / "rft" / "final_model"), out, "rft", category, codec=QWEN_CODEC)
+
+
+def grpo_start(out: Path) -> str:
+    """(c) or (d), whichever has the higher prefix turn accuracy on its own train samples at
+    temperature 1: (c)'s are RFT's samples; (d)'s, the ``train_score_rft`` stage's. Held-out
+    scores choose nothing."""
+    import json
+
+    def train_score(stage: str) -> float:
+        found = [json.loads((out / f"{stage}_{c}.json").read_text()) for c in CATEGORIES]
+        turns = sum(f["turns_sampled"] for f in found)
+        return sum(f["prefix_turn_accuracy"] * f["turns_sampled"] for f in found) / turns
+
+    better = train_score("train_score_rft") > train_score("rft_samples")
+    return str(out / ("rft" if better else "sft") / "final_model")
+
+
+def train_score_rft(out: Path, category: str) -> dict:
+    """(d) sampled as (c) was for RFT (same entries, samples, temperature): its train score."""
+    from post_training_cookbook.evaluation import evaluate
+
+    entries = train_entries(category)
+    result = evaluate(
+        str(out / "rft" / "final_model"), [entry.to_task() for entry in entries],
+        train_env_factory("entry"), RFT_SAMPLES, temperature=1.0, codec=QWEN_CODEC,
+        label=f"train_score_rft_{category}", runs_dir=out / "evals", progress=True,
+        max_batch_size=16, **TRAIN_LIMITS,
+    )  # fmt: skip
+    return {
+        "category": category,
+        "prefix_turn_accuracy": result.metrics.get("eval/env/bfcl_mt_prefix_turn_accuracy"),
+        "turns_sampled": sum(len(e.turns) for e in entries) * RFT_SAMPLES,
+    }
+
+
+def grpo(out: Path) -> dict:
+    """GRPO from ``grpo_start``: the prefix reward a turn (BFCL's checker), dynamic sampling,
+    LoRA on the start model, a checkpoint every step; the model scored is the last step's."""
+    from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.grpo.train import train_multi_turn
+
+    name = f"grpo_seed{SEED}"
+    start = grpo_start(out)
+    config = GRPOConfig(
+        model=start,
+        codec=QWEN_CODEC,
+        batch_size=GRPO_GROUPS,
+        episodes_per_task=GRPO_GROUP_SIZE,
+        num_steps=GRPO_STEPS,
+        max_sampling_attempts=GRPO_ROUNDS,
+        learning_rate=2e-5,
+        lora_rank=8,
+        lora_alpha=16,
+        gradient_checkpointing=True,
+        trainer_precision="bf16",
+        turn_rewards="per_step",
+        validation_interval=0,
+        checkpoint_interval=1,
+        runs_dir=str(out),
+        run_name=name,
+        resume=(out / name).exists(),
+        seed=SEED,
+        env_errors="truncate",
+        wandb_project=None,
+        **TRAIN_LIMITS,
+    )
+    run = train_multi_turn(config, train_tasks(), train_env_factory("prefix"))
+    return {"start": start, "run_dir": str(run.path), "final_model": str(run.final_model_dir)}
+
+
+def grpo_model(out: Path, category: str) -> dict:
+    """A GRPO seed's final model on the held-out entries of ``category``."""
+    run = out / f"grpo_seed{SEED}"
+    return score(str(run), out, f"grpo_seed{SEED}", category, codec=QWEN_CODEC)
+
+
+def bfcl_single_turn(out: Path, model: str) -> dict:
+    """BFCL single-turn: the first 10 items of four AST categories, greedy; each item's
+    verdict kept for paired comparisons."""
+    import json
+
+    from post_training_cookbook.evaluation import evaluate
+
+    result = evaluate(
+        model, benchmark="bfcl:simple_python,multiple,parallel,parallel_multiple", limit=10,
+        codec=QWEN_CODEC, max_tokens_per_turn=256, label="bfcl_single_turn",
+        runs_dir=out / "evals",
+    )  # fmt: skip
+    assert result.benchmark is not None and result.output_dir is not None
+    records = (Path(result.output_dir) / "episodes.jsonl").read_text().splitlines()
+    verdicts = {
+        r["task"]["metadata"]["bfcl"]["id"]: int(r["metrics"].get("bfcl_valid") == 1.0)
+        for r in map(json.loads, records)
+    }
+    return {"model": model, "correct": sum(verdicts.values()), "per_item": verdicts}
+
+
 BASELINES = {"never_call": never_call, "sft": sft_model, "zero_shot": zero_shot}
 EVAL_STAGES = {
     f"eval_{name}_{category.removeprefix('multi_turn_')}": functools.partial(
@@ -224,16 +464,52 @@ def report(out: Path) -> dict:
 
     seen = seen_call_lists()
     truths = {e.id: e for c in CATEGORIES for e in held_out(c)}
-    models: dict[str, dict] = {}
-    for name in BASELINES:
-        scored = {}
+    stages = {f"eval_{name}": name for name in (*BASELINES, "rft")}
+    stages |= {"best_of_n": "best_of_n"} | {f"eval_grpo_seed{s}": f"grpo_seed{s}" for s in SEEDS}
+    rows: dict[str, dict[str, dict]] = {}
+    for stage, name in stages.items():
         for category in CATEGORIES:
-            stage = out / f"eval_{name}_{category.removeprefix('multi_turn_')}.json"
-            if stage.exists():
-                scored[category] = json.loads(stage.read_text())["per_entry"]
-        if scored:
-            models[name] = model_report(scored, truths, seen)
-    return {"models": models}
+            found = out / f"{stage}_{category.removeprefix('multi_turn_')}.json"
+            if found.exists():
+                rows.setdefault(name, {})[category] = json.loads(found.read_text())["per_entry"]
+    models = {name: model_report(scored, truths, seen) for name, scored in rows.items()}
+    complete = {n: pooled(r) for n, r in rows.items() if len(r) == len(CATEGORIES)}
+    baselines = [n for n in complete if n in (*BASELINES, "rft")]
+    gains = {
+        f"{grpo}_over_{baseline}": {
+            metric: paired_gain(complete[baseline], complete[grpo], metric)
+            for metric in ("valid", "prefix_turns")
+        }
+        for grpo in complete
+        if grpo.startswith("grpo_")
+        for baseline in baselines
+    }
+    return {"models": models, "paired_gains": gains}
+
+
+SEEDS = (0, 1, 2)
+
+
+def pooled(scored: dict[str, dict]) -> dict[str, dict]:
+    return {entry_id: row for rows in scored.values() for entry_id, row in rows.items()}
+
+
+def paired_gain(before: dict[str, dict], after: dict[str, dict], metric: str) -> dict:
+    """``metric`` after minus before on the same entries, a scenario's entries (its four
+    categories) one cluster: entry accuracy (``valid``, per entry) or prefix turn accuracy
+    (``prefix_turns``, per turn); the SE of the paired difference and the gain in SEs."""
+    from post_training_cookbook.evaluation.benchmarks import clustered_se
+
+    clusters: dict[str, tuple[int, int]] = {}
+    for entry_id in sorted(set(before) & set(after)):
+        scale = 1 if metric == "valid" else before[entry_id]["turns"]
+        change = int(after[entry_id][metric]) - int(before[entry_id][metric])
+        key = entry_id.rsplit("_", 1)[1]
+        old = clusters.get(key, (0, 0))
+        clusters[key] = (old[0] + change, old[1] + scale)
+    gain = sum(d for d, _ in clusters.values()) / sum(t for _, t in clusters.values())
+    se = clustered_se(list(clusters.values()))
+    return {"gain": gain, "se": se, "gain_in_se": gain / se if se else None}
 
 
 def model_report(scored: dict[str, dict], truths: dict, seen: set) -> dict:
@@ -280,8 +556,37 @@ def model_report(scored: dict[str, dict], truths: dict, seen: set) -> dict:
     return report
 
 
-STAGE_FUNCTIONS = {"demos": demos, "sft": sft, **EVAL_STAGES, "report": report}
-"""``report`` reads the evaluation stages that have run: ``--stage report OUT`` redoes it."""
+def per_category(function, prefix: str) -> dict:
+    return {
+        f"{prefix}_{c.removeprefix('multi_turn_')}": functools.partial(function, category=c)
+        for c in CATEGORIES
+    }
+
+
+GRPO_STAGES = {
+    f"grpo_seed{SEED}": grpo,
+    **per_category(grpo_model, f"eval_grpo_seed{SEED}"),
+    f"bfcl_single_turn_grpo_seed{SEED}": lambda out: bfcl_single_turn(
+        out, str(out / f"grpo_seed{SEED}")
+    ),
+}
+STAGE_FUNCTIONS = {
+    "demos": demos,
+    "sft": sft,
+    **EVAL_STAGES,
+    "bfcl_single_turn_zero_shot": lambda out: bfcl_single_turn(out, str(qwen_coder_folder())),
+    "bfcl_single_turn_sft": lambda out: bfcl_single_turn(out, str(out / "sft" / "final_model")),
+    **per_category(rft_samples, "rft_samples"),
+    "rft": rft,
+    **per_category(rft_model, "eval_rft"),
+    **per_category(train_score_rft, "train_score_rft"),
+    **per_category(best_of_n, "best_of_n"),
+    **GRPO_STAGES,
+    "report": report,
+}
+"""In the protocol's order; ``--seed N`` names the GRPO stages of seed N (the stages before
+GRPO are shared). ``report`` reads the evaluation stages that have run: ``--stage report
+OUT`` redoes it."""
 
 
 if __name__ == "__main__":

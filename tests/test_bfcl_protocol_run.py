@@ -1,0 +1,116 @@
+"""``recipes/bfcl/protocol_run.py``, BFCL run 2: what each stage plays (held-out scores on
+held-out entries only, every sample a training stage sees from train entries only), the order
+the protocol fixes, the kept part of an RFT sample, and the report's paired gains."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
+    held_out_scenarios,
+    load_multi_turn_entries,
+)
+from post_training_cookbook.types import Message
+
+RECIPE = Path(__file__).parents[1] / "recipes" / "bfcl" / "protocol_run.py"
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    spec = importlib.util.spec_from_file_location("bfcl_protocol_run", RECIPE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    saved = list(sys.path)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
+    return module
+
+
+def test_held_out_scores_cover_every_held_out_entry_of_the_four_categories(recipe):
+    entries = [e for c in recipe.CATEGORIES for e in recipe.held_out(c)]
+    assert len(entries) == 208 and sum(len(e.turns) for e in entries) == 876
+    assert {e.scenario for e in entries} == set(held_out_scenarios())
+
+
+def test_training_stages_sample_train_entries_only(recipe, monkeypatch):
+    """``train_tasks`` (GRPO) and RFT's samples read ``train_entries``; with the prompt bound
+    lifted, those are the train split's entries."""
+
+    def unbounded(category: str):
+        return load_multi_turn_entries([category], "train")
+
+    monkeypatch.setattr(recipe, "train_entries", unbounded)
+    tasks = recipe.train_tasks()
+    scenarios = {int(t.metadata["bfcl_multi_turn"]["id"].rsplit("_", 1)[1]) for t in tasks}
+    assert len(tasks) == 592 and not scenarios & set(held_out_scenarios())
+
+
+def test_the_stages_run_in_the_protocols_order(recipe):
+    names = list(recipe.STAGE_FUNCTIONS)
+    at = {name: names.index(name) for name in names}
+    assert names[:2] == ["demos", "sft"] and names[-1] == "report"
+    before_grpo = [n for n in names if n.startswith(("eval_", "rft", "train_score", "best_of"))]
+    grpo_scores = [n for n in before_grpo if n.startswith("eval_grpo")]
+    # GRPO reads (c)'s and (d)'s train scores: every baseline comes first
+    assert all(at[n] < at["grpo_seed0"] for n in before_grpo if n not in grpo_scores)
+    assert len(grpo_scores) == 4 and all(at[n] > at["grpo_seed0"] for n in grpo_scores)
+    assert at["rft"] > max(at[n] for n in names if n.startswith("rft_samples_"))
+    assert recipe.GRPO_EPISODE_BUDGET == 576
+    assert recipe.RFT_SAMPLES * 204 >= recipe.GRPO_EPISODE_BUDGET  # 204 train entries
+
+
+def test_an_rft_sample_is_kept_up_to_the_end_of_its_passed_turns(recipe):
+    def user(text: str) -> Message:
+        return Message(role="user", content=text)
+
+    def said(text: str) -> Message:
+        return Message(role="assistant", content=text)
+
+    messages = [
+        Message(role="system", content="s"), user("one"), said("a"), said("Done."),
+        user("two"), user("two, more"), said("Done."), user("three"), said("no"),
+    ]  # fmt: skip
+    assert recipe.passed_turns(messages, 1) == messages[:4]
+    assert recipe.passed_turns(messages, 2) == messages[:7]
+    assert recipe.passed_turns(messages, 3) == messages
+
+
+def test_paired_gains_count_a_scenarios_four_entries_as_one_cluster(recipe):
+    def rows(valid: dict[str, int], prefix: dict[str, int]) -> dict[str, dict]:
+        return {i: {"valid": valid[i], "prefix_turns": prefix[i], "turns": 4} for i in valid}
+
+    ids = [f"multi_turn_{c}_{s}" for s in (1, 2, 3) for c in ("base", "miss_func")]
+    before = rows(dict.fromkeys(ids, 0), dict.fromkeys(ids, 0))
+    after = rows(
+        {i: int(i.endswith(("_1", "_2"))) for i in ids},
+        {i: 4 if i.endswith(("_1", "_2")) else 1 for i in ids},
+    )
+    entry = recipe.paired_gain(before, after, "valid")
+    prefix = recipe.paired_gain(before, after, "prefix_turns")
+    assert entry["gain"] == pytest.approx(4 / 6)
+    assert prefix["gain"] == pytest.approx((4 + 4 + 4 + 4 + 1 + 1) / 24)
+    # three clusters, not six entries: the SE of the scenario totals
+    from post_training_cookbook.evaluation.benchmarks import clustered_se
+
+    assert entry["se"] == pytest.approx(clustered_se([(2, 2), (2, 2), (0, 2)]))
+
+
+def test_the_report_reads_the_stages_that_ran(recipe, tmp_path):
+    entries = recipe.held_out("multi_turn_base")
+    per_entry = {
+        e.id: {"turns": len(e.turns), "valid": False, "prefix_turns": 0, "turns_valid_ours": 0}
+        for e in entries
+    }
+    (tmp_path / "eval_never_call_base.json").write_text(json.dumps({"per_entry": per_entry}))
+    report = recipe.report(tmp_path)
+    base = report["models"]["never_call"]["multi_turn_base"]
+    assert base["entries"] == 52 and base["prefix_turn_count"] == 193
+    assert base["prefix_turn_seen_count"] + base["prefix_turn_unseen_count"] == 193
+    assert report["paired_gains"] == {}  # no model has all four categories yet
