@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_bfcl_multi_turn import (
     DAMAGES,
     bfcl_eval_verdict,
@@ -129,11 +130,18 @@ def test_a_force_quit_in_the_last_turn_is_still_judged_by_the_checker(bfcl_handl
         return reply(PWD) if in_last_turn and not message.get("tool_calls") else message
 
     most = max(len(calls) for calls in entry.ground_truth)  # no earlier turn is force-quit
-    env = asyncio.run(play(entry, truth_then_pwd, max_steps_per_turn=most))
+    rewards: list[float] = []
+    env = asyncio.run(play(entry, truth_then_pwd, rewards, max_steps_per_turn=most))
+    assert rewards[-1] == 1.0  # reward="entry": BFCL accepts the entry
     assert env.messages[-1]["role"] == "tool"  # ended by the force-quit, not a text reply
     assert env.turn_verdicts[-1].error_type == "multi_turn:force_terminated"  # ours fails it
     assert env.entry_verdict is not None and env.entry_verdict.valid
     assert env.prefix_turns == len(entry.turns)
+    prefix_rewards: list[float] = []
+    asyncio.run(
+        play(entry, truth_then_pwd, prefix_rewards, reward="prefix", max_steps_per_turn=most)
+    )
+    assert sum(prefix_rewards) == pytest.approx(1.0)  # every turn, the forced last one too
     played = played_calls(entry, env.messages)
     assert rescored(entry, played) == (True, len(entry.turns))
     assert rescored(entry, played, inference_error="context_overflow") == (False, last)

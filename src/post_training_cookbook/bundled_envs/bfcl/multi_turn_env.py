@@ -116,9 +116,16 @@ class BFCLMultiTurnEnv(Env):
                 return StepResult(False, False, list(self._messages), metrics=self._metrics())
             # BFCL's loop force-quits the entry; its checker judges it only in the last turn
             self.turn_verdicts.append(TurnVerdict(False, FORCED))
-            last = len(self.turn_verdicts) == len(entry.turns)
-            self.entry_verdict = self._extend_prefix(entry) if last else TurnVerdict(False, FORCED)
-            return StepResult(False, True, list(self._messages), metrics=self._metrics())
+            self.entry_verdict, reward = TurnVerdict(False, FORCED), 0.0
+            if len(self.turn_verdicts) == len(entry.turns):
+                prefix_before = self.prefix_turns
+                self.entry_verdict = self._extend_prefix(entry)
+                shares = {
+                    "entry": float(self.entry_verdict.valid),
+                    "prefix": float(self.prefix_turns > prefix_before) / len(entry.turns),
+                }
+                reward = shares.get(self.reward, 0.0)
+            return StepResult(False, True, list(self._messages), reward, self._metrics())
         self._text_replies += 1
         verdict = self._finish_turn(entry)
         prefix_before = self.prefix_turns
