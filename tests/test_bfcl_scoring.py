@@ -201,3 +201,17 @@ def test_an_episode_the_rollout_cut_short_is_an_inference_error_in_the_results_f
     report = bfcl_rescore.rescore(Path(result.output_dir) / RESULTS_FILE)
     assert report["disagreements"] == []  # the unfinished turn counts as failing on both sides
     assert report["per_category"]["pooled"]["entry_accuracy"] == 0.0
+
+
+def test_a_multi_turn_benchmark_is_scored_under_its_own_bounds_unless_told(tmp_path):
+    spec = "bfcl_multi_turn:base@held_out"
+    usual = evaluate(ScriptedChat(NeverCallPlayer()), benchmark=spec, limit=1, runs_dir=None)
+    assert (usual.settings.limits.max_turns, usual.settings.limits.max_model_length) == (
+        200,
+        16384,
+    )
+    told = evaluate(
+        ScriptedChat(NeverCallPlayer()), benchmark=spec, limit=1, max_turns=7, runs_dir=None
+    )
+    assert told.settings.limits.max_turns == 7
+    assert told.settings.limits.max_model_length == 16384

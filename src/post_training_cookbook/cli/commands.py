@@ -189,11 +189,14 @@ _ENV_FLAGS = {"--env": "env", "--tasks": "tasks", "--num-tasks": "num_tasks"}
 
 def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalSettings:
     from post_training_cookbook.evaluation import EvalSettings
+    from post_training_cookbook.evaluation.benchmarks import BenchmarkSpec, benchmark_limits
     from post_training_cookbook.grpo.settings import eval_settings
 
     base = eval_settings(config) if config else EvalSettings()
     if args.benchmark is not None:
         base = replace(base, temperature=0.0)  # benchmarks are scored greedy by default
+        # ... and under their own bounds (bfcl_multi_turn's), unless the flags say otherwise
+        base = base.with_limits(**benchmark_limits(BenchmarkSpec.parse(args.benchmark)))
     flags = {
         "episodes_per_task": args.episodes_per_task,
         "temperature": args.temperature,

@@ -129,6 +129,17 @@ class BenchmarkScore:
     """The per-turn accuracy's standard error, an entry's turns as one cluster."""
 
 
+MULTI_TURN_LIMITS = {"max_turns": 200, "max_model_length": 16384, "max_tokens_per_turn": 256}
+"""The episode limits a ``bfcl_multi_turn`` score uses unless told otherwise: BFCL bounds a
+user turn (21 replies with calls, the env's ``max_steps_per_turn``), not an episode, and its
+held-out prompts run to 8k tokens before any tool result."""
+
+
+def benchmark_limits(spec: BenchmarkSpec) -> dict[str, int]:
+    """The episode limits ``spec``'s benchmark is scored under by default (none: the usual)."""
+    return dict(MULTI_TURN_LIMITS) if spec.name == MULTI_TURN else {}
+
+
 def benchmark_inputs(
     spec: BenchmarkSpec, limit: int | None
 ) -> tuple[list[Task], Callable[[Task], Env]]:

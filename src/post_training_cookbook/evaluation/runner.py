@@ -35,6 +35,7 @@ from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.evaluation.benchmarks import (
     BenchmarkSpec,
     benchmark_inputs,
+    benchmark_limits,
     score_benchmark,
     write_benchmark_files,
 )
@@ -75,9 +76,9 @@ def evaluate(
     *,
     benchmark: str | None = None,
     limit: int | None = None,
-    max_turns: int = 6,
-    max_model_length: int = 2048,
-    max_tokens_per_turn: int = 256,
+    max_turns: int | None = None,
+    max_model_length: int | None = None,
+    max_tokens_per_turn: int | None = None,
     temperature: float | None = None,
     top_p: float = 1.0,
     success_threshold: float = 1.0,
@@ -103,17 +104,25 @@ def evaluate(
     ``"bfcl"`` (BFCL's five single-turn test categories) or ``"bfcl:simple_python,multiple"``;
     the result's ``benchmark`` holds its report; ``limit``: only the first N items of each
     category. ``temperature`` defaults to 1.0, and to 0 (greedy) for a benchmark.
-    The limits default to ``GRPOConfig``'s. ``pass_k`` defaults to 1, 2, 4, ... up to
+    The limits default to the benchmark's own (``bfcl_multi_turn``: BFCL bounds a user turn,
+    not an episode, and its prompts run to 8k tokens: 200 replies, 16,384 tokens, 256 a
+    reply), else to ``GRPOConfig``'s (6, 2,048, 256). ``pass_k`` defaults to 1, 2, 4, ... up to
     ``episodes_per_task``. ``dtype`` defaults to the run's, else the model's. ``device``: where
     the engine samples, as ``GRPOConfig.device`` (``"auto"``: CUDA when present).
     ``runs_dir=None`` writes nothing.
     Bad input raises ``ValueError`` before any weights load. Callable from sync code, also
     inside a running event loop; ``aevaluate`` is the async form.
     """
+    sizes = benchmark_limits(BenchmarkSpec.parse(benchmark)) if benchmark else {}
+    usual = EpisodeLimits()
+
+    def size(name: str, given: int | None) -> int:
+        return given if given is not None else sizes.get(name, getattr(usual, name))
+
     limits = EpisodeLimits(
-        max_turns=max_turns,
-        max_model_length=max_model_length,
-        max_tokens_per_turn=max_tokens_per_turn,
+        max_turns=size("max_turns", max_turns),
+        max_model_length=size("max_model_length", max_model_length),
+        max_tokens_per_turn=size("max_tokens_per_turn", max_tokens_per_turn),
         failed_parse_reward=failed_parse_reward,
         env_errors=env_errors,
     )
