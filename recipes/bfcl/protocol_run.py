@@ -138,8 +138,11 @@ def score(model, out: Path, label: str, category: str, **options) -> dict:
     ``ChatSampler``), each entry's BFCL verdict, prefix turns and our per-turn count."""
     from post_training_cookbook.evaluation import evaluate
 
+    # entries of one backend group side by side: a prefill batch computes their shared tool
+    # prompt once (engine/decoder.py); the scores are per entry, so the order changes none
+    ordered = sorted(held_out(category), key=lambda e: (e.involved_classes, e.scenario))
     result = evaluate(
-        model, [entry.to_task() for entry in held_out(category)], env_factory, 1,
+        model, [entry.to_task() for entry in ordered], env_factory, 1,
         temperature=0.0, label=f"{label}_{category}", runs_dir=out / "evals", progress=True,
         **EVAL, **options,
     )  # fmt: skip
