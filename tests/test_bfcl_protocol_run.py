@@ -18,6 +18,8 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
 from post_training_cookbook.types import Message
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "bfcl" / "protocol_run.py"
+sys.path.insert(0, str(RECIPE.parent))
+import protocol_report  # noqa: E402  (recipes/ is not a package)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def test_an_rft_sample_is_kept_up_to_the_end_of_its_passed_turns(recipe):
     assert recipe.passed_turns(messages, 3) == messages
 
 
-def test_paired_gains_count_a_scenarios_four_entries_as_one_cluster(recipe):
+def test_paired_gains_count_a_scenarios_four_entries_as_one_cluster():
     def rows(valid: dict[str, int], prefix: dict[str, int]) -> dict[str, dict]:
         return {i: {"valid": valid[i], "prefix_turns": prefix[i], "turns": 4} for i in valid}
 
@@ -92,8 +94,8 @@ def test_paired_gains_count_a_scenarios_four_entries_as_one_cluster(recipe):
         {i: int(i.endswith(("_1", "_2"))) for i in ids},
         {i: 4 if i.endswith(("_1", "_2")) else 1 for i in ids},
     )
-    entry = recipe.paired_gain(before, after, "valid")
-    prefix = recipe.paired_gain(before, after, "prefix_turns")
+    entry = protocol_report.paired_gain(before, after, "valid")
+    prefix = protocol_report.paired_gain(before, after, "prefix_turns")
     assert entry["gain"] == pytest.approx(4 / 6)
     assert prefix["gain"] == pytest.approx((4 + 4 + 4 + 4 + 1 + 1) / 24)
     # three clusters, not six entries: the SE of the scenario totals
