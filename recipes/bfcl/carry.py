@@ -31,6 +31,8 @@ into ``bfcl_results/<evaluation folder>.jsonl``: small, and the evidence a reade
 ADAPTER_FILES = ("trainable.safetensors", "trainer_state.json")
 NOT_CARRIED = {"demos.json"}
 """Its stage writes ``demos.jsonl`` beside it, which is not carried: the stage runs again."""
+NOT_RESTORED = {"report.json"}
+"""Carried for readers, not restored: the report stage runs again over whatever has run."""
 
 
 def grpo_runs(out: Path) -> list[Path]:
@@ -89,7 +91,7 @@ def save(out: Path, docs: Path) -> None:
 def restore(docs: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for stage in sorted(docs.glob("*.json")):
-        if not (out / stage.name).exists() and stage.name not in NOT_CARRIED:
+        if not (out / stage.name).exists() and stage.name not in NOT_CARRIED | NOT_RESTORED:
             shutil.copy2(stage, out / stage.name)
     if (docs / ADAPTER).is_dir() and not (out / "sft" / "final_model").exists():
         merge_adapter(docs, out / "sft")
