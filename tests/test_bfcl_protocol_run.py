@@ -4,7 +4,6 @@ the protocol fixes, the kept part of an RFT sample, and the report's paired gain
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -24,15 +23,9 @@ import protocol_report  # noqa: E402  (recipes/ is not a package)
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("bfcl_protocol_run", RECIPE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    saved = list(sys.path)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path[:] = saved
-    return module
+    import protocol_run
+
+    return protocol_run
 
 
 def test_held_out_scores_cover_every_held_out_entry_of_the_four_categories(recipe):
