@@ -93,12 +93,13 @@ def demos(out: Path) -> dict:
     return {"per_category": counts, "conversations": len(lines)}
 
 
-def sft(out: Path) -> dict:
-    """Baseline (c): the protocol's SFT."""
-    from post_training_cookbook.sft import SFTConfig, train_sft
+def sft_config(out: Path, model: str, run_name: str, **extra: object):
+    """The protocol's SFT settings, shared by (c) and (d): one epoch batched by prompt, LoRA
+    rank 8, bf16 trainer, cosine 2e-4, a checkpoint every step, resumed when the run exists."""
+    from post_training_cookbook.sft import SFTConfig
 
-    config = SFTConfig(
-        model=str(qwen_coder_tagged_folder()),
+    return SFTConfig(
+        model=model,
         codec=QWEN_CODEC,
         max_model_length=MAX_MODEL_LENGTH,
         batch_tokens=23000,  # 4-5 conversations of one backend
@@ -110,13 +111,25 @@ def sft(out: Path) -> dict:
         lr_schedule="cosine",
         lora_rank=8,  # a checkpoint small enough to carry across sessions (carry.py)
         lora_alpha=16,
-        trainable_tokens=TOOL_CALL_TAGS,  # never trained in this model (bfcl_multi_turn.md)
         validation_interval=0,
         checkpoint_interval=1,
         runs_dir=str(out),
-        run_name="sft",
-        resume=(out / "sft").exists(),
+        run_name=run_name,
+        resume=(out / run_name).exists(),
         wandb_project=None,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def sft(out: Path) -> dict:
+    """Baseline (c): the protocol's SFT."""
+    from post_training_cookbook.sft import train_sft
+
+    config = sft_config(
+        out,
+        str(qwen_coder_tagged_folder()),
+        "sft",
+        trainable_tokens=TOOL_CALL_TAGS,  # never trained in this model (bfcl_multi_turn.md)
     )
     run = train_sft(config, out / "demos.jsonl")
     return {"run_dir": str(run.path), "final_model": str(run.final_model_dir)}
@@ -283,7 +296,7 @@ def passed_turns(messages: list, prefix: int) -> list:
 def rft(out: Path) -> dict:
     """Baseline (d): SFT from (c) on the turns of its own samples that BFCL's checker passed,
     with (c)'s settings."""
-    from post_training_cookbook.sft import SFTConfig, train_sft
+    from post_training_cookbook.sft import train_sft
 
     lines = [
         line
@@ -291,26 +304,7 @@ def rft(out: Path) -> dict:
         for line in (out / f"rft_demos_{category}.jsonl").read_text().splitlines()
     ]
     (out / "rft_demos.jsonl").write_text("".join(line + "\n" for line in lines))
-    config = SFTConfig(
-        model=str(out / "sft" / "final_model"),
-        codec=QWEN_CODEC,
-        max_model_length=MAX_MODEL_LENGTH,
-        batch_tokens=23000,
-        batch_by_prompt=True,
-        num_epochs=1,
-        gradient_checkpointing=True,
-        trainer_precision="bf16",
-        learning_rate=2e-4,
-        lr_schedule="cosine",
-        lora_rank=8,
-        lora_alpha=16,
-        validation_interval=0,
-        checkpoint_interval=1,
-        runs_dir=str(out),
-        run_name="rft",
-        resume=(out / "rft").exists(),
-        wandb_project=None,
-    )
+    config = sft_config(out, str(out / "sft" / "final_model"), "rft")
     run = train_sft(config, out / "rft_demos.jsonl")
     return {"conversations": len(lines), "final_model": str(run.final_model_dir)}
 
