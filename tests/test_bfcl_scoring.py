@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_bfcl_multi_turn import (
@@ -38,8 +39,15 @@ from post_training_cookbook.sft.demonstrations import ScriptedChat
 from post_training_cookbook.types import Message
 
 ROOT = Path(__file__).parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import bfcl_rescore  # noqa: E402  (scripts/ is not a package)
+
+
+def rescore_script() -> Any:
+    """``scripts/bfcl_rescore.py`` as a module, imported when a test runs: it imports
+    ``bfcl-eval`` at its top, and the scale tests' venv (which collects this file) has none."""
+    sys.path.insert(0, str(ROOT / "scripts"))  # scripts/ is not a package
+    import bfcl_rescore
+
+    return bfcl_rescore
 
 PWD = DecodedCall("pwd", {})
 """A read-only call of the file system backend: it changes no state."""
@@ -47,6 +55,7 @@ PWD = DecodedCall("pwd", {})
 
 def rescored(entry: MultiTurnEntry, calls: list, inference_error: str | None = None):
     """``scripts/bfcl_rescore.py``'s judgment (``bfcl-eval`` alone) of a results-file line."""
+    bfcl_rescore = rescore_script()
     raw = {e["id"]: e for e in bfcl_rescore.load_dataset_entry(entry.category)}[entry.id]
     truth = [list(turn) for turn in entry.ground_truth]
     line = {"id": entry.id, "result": calls, "inference_error": inference_error}
@@ -198,7 +207,7 @@ def test_an_episode_the_rollout_cut_short_is_an_inference_error_in_the_results_f
         for line in (Path(result.output_dir) / RESULTS_FILE).read_text().splitlines()
     ]
     assert [line["inference_error"] for line in lines] == ["the episode ended early: max_turns"] * 3
-    report = bfcl_rescore.rescore(Path(result.output_dir) / RESULTS_FILE)
+    report = rescore_script().rescore(Path(result.output_dir) / RESULTS_FILE)
     assert report["disagreements"] == []  # the unfinished turn counts as failing on both sides
     assert report["per_category"]["pooled"]["entry_accuracy"] == 0.0
 
