@@ -49,6 +49,7 @@ def rescore_script() -> Any:
 
     return bfcl_rescore
 
+
 PWD = DecodedCall("pwd", {})
 """A read-only call of the file system backend: it changes no state."""
 
