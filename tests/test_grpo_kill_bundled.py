@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from test_grpo_common import read_jsonl, train_dump
 
+from post_training_cookbook.envs import Task
 from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS, ToolUseGameEnv
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
@@ -35,7 +36,7 @@ class CountedResets(ToolUseGameEnv):
     """The tool-use game, appending a line to ``$RESETS`` at every episode's start: how the
     test tells that a step's sampling is under way."""
 
-    async def reset(self, task) -> list[Message]:
+    async def reset(self, task: Task) -> list[Message]:
         with open(os.environ["RESETS"], "a") as resets:
             resets.write("reset\n")
         return await super().reset(task)
@@ -85,7 +86,7 @@ def episodes_per_step(run_dir: Path) -> list[list[list[int]]]:
     return [[r["token_ids"] for r in train_dump(run_dir, step)] for step in range(NUM_STEPS)]
 
 
-def test_a_run_killed_mid_step_resumes_with_no_episode_lost_or_repeated(tmp_path):
+def test_a_run_killed_mid_step_resumes_with_no_episode_lost_or_repeated(tmp_path: Path) -> None:
     run_dir, marker = tmp_path / "run", tmp_path / "resets_run"
     process = start(tmp_path, "run", False, marker)
     checkpoint = run_dir / "checkpoints" / f"step_{KILL_IN_STEP:06d}" / "complete.json"
