@@ -13,6 +13,8 @@ and the one being scored. ``OUT/summary.json`` collects every stage's dict.
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 import time
@@ -22,10 +24,35 @@ from pathlib import Path
 Stage = Callable[[Path], dict]
 
 
+def machine() -> dict:
+    """What a stage's wall time was measured on: sessions get different CPUs, and their
+    speeds differ most in bf16 (AMX multiplies it ~7x faster than fp32; AVX2 ~9x slower)."""
+    import torch
+
+    model = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def run_stage(functions: Mapping[str, Stage], stage: str, out: Path) -> None:
     started = time.perf_counter()
     result = functions[stage](out)
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    result["machine"] = machine()
     (out / f"{stage}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -109,6 +109,16 @@ def test_evaluate_writes_every_episode_and_a_summary_that_agree(tmp_path):
     assert set(summary["per_level"]) == {"1", "2"}
     assert sum(result.termination.values()) == pytest.approx(1.0)
     assert "eval/length_capped" in result.metrics
+    # the engine's counters: every sampled token was decoded (the first of each sample comes
+    # from its prefill), and the time each phase took
+    engine = result.engine
+    assert engine is not None and engine.prefill_seconds > 0 and engine.decode_seconds > 0
+    sampled = sum(sum(r["mask"]) for r in records)
+    assert engine.decode_tokens + engine.sequences_finished >= sampled
+    assert summary["engine"]["decode_tokens"] == engine.decode_tokens
+    assert summary["engine"]["prefill_tokens_per_s"] == pytest.approx(
+        engine.prefill_tokens_computed / engine.prefill_seconds
+    )
 
 
 def test_evaluate_without_runs_dir_writes_nothing(tmp_path, monkeypatch):

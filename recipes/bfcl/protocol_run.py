@@ -45,10 +45,12 @@ TRAIN_PROMPT_TOKENS = 5200
 """Training uses the train split's entries whose opening prompt (system, tools, first user
 turn in Qwen's template) is at most this long: 204 of 592 (what 2 cores can train on);
 held-out scoring uses every held-out entry."""
-ENGINE_DTYPE = "bfloat16"
-"""Every model samples in bf16 (scores, RFT's samples, GRPO's generators): this CPU's AMX
-multiplies bf16 about 7x faster than fp32 (430 vs 59 GFLOP/s on one core), and prefill of
-3-8k-token prompts is most of an evaluation's time."""
+ENGINE_DTYPE = "float32"
+"""Every model samples in fp32 (scores, RFT's samples, GRPO's generators), the model
+folder's dtype. Sessions run on different CPUs: bf16 multiplies ~7x faster than fp32 where
+the CPU has AMX (430 vs 59 GFLOP/s a core) and ~9x slower where it has only AVX2 (6.8 vs 61),
+while fp32 runs at ~60 GFLOP/s a core on both, so scores taken in different sessions are
+taken at one precision and one speed (PROTOCOL.md, "Deviations")."""
 LOCAL = {"codec": QWEN_CODEC, "dtype": ENGINE_DTYPE}
 """How every local model here is loaded for sampling."""
 MAX_MODEL_LENGTH = 16384
@@ -193,9 +195,16 @@ def score(model, out: Path, label: str, category: str, **options) -> dict:
         "parse_rate": result.metrics.get("eval/parse_rate"),
         "termination": result.termination,
         "sampled_tokens_per_s": sum(row["sampled_tokens"] for row in rows) / seconds,
+        "engine": engine_record(result),
         "per_entry": per_entry,
         "eval_dir": str(result.output_dir),
     }
+
+
+def engine_record(result) -> dict | None:
+    """The sampling engine's counters and speeds (prefill and decode tokens, seconds in
+    each): where a stage's time went."""
+    return result.to_dict()["engine"]
 
 
 def never_call(out: Path, category: str) -> dict:
@@ -278,6 +287,7 @@ def rft_samples(out: Path, category: str) -> dict:
         "whole_entries": whole,
         "prefix_turn_accuracy": result.metrics.get("eval/env/bfcl_mt_prefix_turn_accuracy"),
         "turns_sampled": turns,
+        "engine": engine_record(result),
         "eval_dir": str(result.output_dir),
     }
 
@@ -330,7 +340,7 @@ def best_of_n(out: Path, category: str) -> dict:
             "turns_valid_ours": max(int(m.get("bfcl_mt_turns_valid", 0.0)) for m in metrics),
         }
     return {"category": category, "samples": BEST_OF, "per_entry": per_entry,
-            "eval_dir": str(result.output_dir)}  # fmt: skip
+            "engine": engine_record(result), "eval_dir": str(result.output_dir)}  # fmt: skip
 
 
 SEED = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import time
 from collections import defaultdict
 from copy import deepcopy
 from typing import Any
@@ -140,12 +141,14 @@ class Decoder:
         group of similar suffix lengths, so padding stays under a quarter of what it computes
         (multi-turn mixes first turns of hundreds of tokens with tool results of tens, so one
         forward over all would compute much padding; docs/performance.md)."""
+        started = time.perf_counter()
         prompts = self._distinct_prompts(requests)
         if self._cache_shared_prefixes(prompts):
             for prompt in prompts:
                 self._lookup(prompt)
         for group in self._prefill_groups(prompts):
             self._prefill(group)
+        self.stats.prefill_seconds += time.perf_counter() - started
 
     def _prefill_groups(self, prompts: list[PrefillPrompt]) -> list[list[PrefillPrompt]]:
         """The prefill's forwards: groups of similar suffix lengths; for a hybrid model, a
@@ -317,6 +320,7 @@ class Decoder:
             self._remove(cancelled)
         if not self.rows:
             return
+        started = time.perf_counter()
         batch = self.batch
         batch.reserve(0, 0)
         rows, col = slice(0, batch.rows), batch.cols
@@ -335,7 +339,8 @@ class Decoder:
         self.stats.decode_steps += 1
         self.stats.decode_tokens += batch.rows
         self.stats.max_decode_batch_size = max(self.stats.max_decode_batch_size, batch.rows)
-        self._sample(rows, logits)
+        self._sample(rows, logits)  # reads the logits back: the step's device work is done
+        self.stats.decode_seconds += time.perf_counter() - started
 
     def _forward(
         self, rows: slice, end: int, input_ids: torch.Tensor, position_ids: torch.Tensor

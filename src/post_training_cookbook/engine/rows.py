@@ -37,6 +37,17 @@ class EngineStats:
     max_decode_batch_size: int = 0
     sequences_finished: int = 0
     weight_updates: int = 0  # updates applied
+    prefill_seconds: float = 0.0  # wall-clock in prefill (shared prefixes included)
+    decode_seconds: float = 0.0  # wall-clock in decode steps
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens computed a second of prefill (reused and shared ones not counted)."""
+        return self.prefill_tokens_computed / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def mean_decode_batch_size(self) -> float:
@@ -45,6 +56,8 @@ class EngineStats:
     def to_metrics(self) -> dict[str, float]:
         metrics = {f"engine/{name}": float(value) for name, value in asdict(self).items()}
         metrics["engine/mean_decode_batch_size"] = self.mean_decode_batch_size
+        metrics["engine/prefill_tokens_per_s"] = self.prefill_tokens_per_s
+        metrics["engine/decode_tokens_per_s"] = self.decode_tokens_per_s
         return metrics
 
 

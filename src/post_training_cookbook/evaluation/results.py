@@ -33,6 +33,7 @@ from post_training_cookbook.rollout import (
 )
 
 if TYPE_CHECKING:
+    from post_training_cookbook.engine.rows import EngineStats  # torch: not for a summary's reader
     from post_training_cookbook.evaluation.benchmarks import BenchmarkScore
 
 LENGTH_CAPPED_WARNING = 0.2
@@ -151,10 +152,16 @@ class EvalResult:
     """Scored on a hosted endpoint: its token counts are its own tokenizer's, not ours."""
     benchmark: BenchmarkScore | None = None
     """A benchmark's own report (``evaluate(..., benchmark="bfcl")``): per category, overall."""
+    engine: EngineStats | None = None
+    """A local model's sampling counters: prompt tokens computed and reused, decode tokens,
+    seconds in prefill and in decode (None for a hosted model or a scripted policy)."""
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, groups=[]))  # asdict would deep-copy every episode
         data.pop("groups")
+        if self.engine is not None:
+            data["engine"]["prefill_tokens_per_s"] = self.engine.prefill_tokens_per_s
+            data["engine"]["decode_tokens_per_s"] = self.engine.decode_tokens_per_s
         data["settings"] = self.settings.to_dict()
         data["output_dir"] = str(self.output_dir) if self.output_dir else None
         return data

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.evaluation.benchmarks import (
@@ -64,6 +64,9 @@ from post_training_cookbook.rollout import (
     play_group,
 )
 from post_training_cookbook.sync import run_sync
+
+if TYPE_CHECKING:
+    from post_training_cookbook.engine.rows import EngineStats  # imports torch
 
 ModelToScore = str | os.PathLike[str] | HostedModel | ChatSampler
 
@@ -162,6 +165,7 @@ async def aevaluate(
 ) -> EvalResult:
     """``evaluate`` for async callers, with the settings as one ``EvalSettings``."""
     started = time.perf_counter()
+    engine_stats = None
     settings = settings or EvalSettings(temperature=0.0 if benchmark else 1.0)
     spec = BenchmarkSpec.parse(benchmark) if benchmark is not None else None
     tasks, env_factory = _inputs(tasks, env_factory, spec, limit)
@@ -191,7 +195,7 @@ async def aevaluate(
         check_model_can_sample(model.info, settings.limits.max_model_length)
         engine_device = resolve_device(device)
         name, source, tokenizer = model.name, model.source, model.tokenizer_info.source
-        groups = await _play(
+        groups, engine_stats = await _play(
             model, list(tasks), env_factory, settings, dtype, max_batch_size, progress,
             engine_device,
         )  # fmt: skip
@@ -216,6 +220,7 @@ async def aevaluate(
         groups=groups,
         hosted=isinstance(model_or_checkpoint, HostedModel),
         benchmark=None if spec is None else score_benchmark(spec, groups, limit),
+        engine=engine_stats,
     )
     if runs_dir is not None:
         result.output_dir = write_eval(result, Path(runs_dir))
@@ -280,7 +285,7 @@ async def _play(
     max_batch_size: int,
     progress: bool,
     device: str,
-) -> list[Group]:
+) -> tuple[list[Group], EngineStats]:
     import torch
 
     from post_training_cookbook.engine.local import LocalEngine
@@ -313,7 +318,8 @@ async def _play(
 
     try:
         with _Bar(len(tasks), f"eval {model.name}", progress) as bar:
-            return list(await asyncio.gather(*(play_task(task, bar) for task in tasks)))
+            groups = list(await asyncio.gather(*(play_task(task, bar) for task in tasks)))
+        return groups, engine.stats()
     finally:
         await engine.close()
 
