@@ -34,6 +34,19 @@ def test_held_out_scores_cover_every_held_out_entry_of_the_four_categories(recip
     assert {e.scenario for e in entries} == set(held_out_scenarios())
 
 
+def test_the_parts_hold_every_held_out_entry_once_with_whole_backend_groups(recipe):
+    parts = [recipe.held_out_part(part) for part in range(1, recipe.PARTS + 1)]
+    ids = [entry.id for part in parts for entry in part]
+    assert len(ids) == len(set(ids)) == 208
+    groups = [{entry.involved_classes for entry in part} for part in parts]
+    assert all(not a & b for i, a in enumerate(groups) for b in groups[i + 1 :])
+    assert all(40 <= len(part) <= 64 for part in parts)  # about a quarter each
+    # a group's entries side by side, a scenario's categories next to each other
+    for part in parts:
+        keys = [(e.involved_classes, e.scenario) for e in part]
+        assert keys == sorted(keys)
+
+
 def test_training_stages_sample_train_entries_only(recipe, monkeypatch):
     """``train_tasks`` (GRPO) and RFT's samples read ``train_entries``; with the prompt bound
     lifted, those are the train split's entries."""
@@ -55,7 +68,7 @@ def test_the_stages_run_in_the_protocols_order(recipe):
     grpo_scores = [n for n in before_grpo if n.startswith("eval_grpo")]
     # GRPO reads (c)'s and (d)'s train scores: every baseline comes first
     assert all(at[n] < at["grpo_seed0"] for n in before_grpo if n not in grpo_scores)
-    assert len(grpo_scores) == 4 and all(at[n] > at["grpo_seed0"] for n in grpo_scores)
+    assert len(grpo_scores) == recipe.PARTS and all(at[n] > at["grpo_seed0"] for n in grpo_scores)
     assert at["rft"] > max(at[n] for n in names if n.startswith("rft_samples_"))
     assert recipe.GRPO_EPISODE_BUDGET == 576
     assert recipe.RFT_SAMPLES * 204 >= recipe.GRPO_EPISODE_BUDGET  # 204 train entries
@@ -109,3 +122,33 @@ def test_the_report_reads_the_stages_that_ran(recipe, tmp_path):
     assert base["entries"] == 52 and base["prefix_turn_count"] == 193
     assert base["prefix_turn_seen_count"] + base["prefix_turn_unseen_count"] == 193
     assert report["paired_gains"] == {}  # no model has all four categories yet
+
+
+def test_the_report_pools_a_models_parts_by_category(recipe, tmp_path):
+    def stage(name: str, entries, valid: bool) -> None:
+        rows = {
+            e.id: {"turns": len(e.turns), "valid": valid, "prefix_turns": len(e.turns) * valid,
+                   "turns_valid_ours": 0, "category": e.category}
+            for e in entries
+        }  # fmt: skip
+        (tmp_path / f"{name}.json").write_text(json.dumps({"per_entry": rows}))
+
+    for category in recipe.CATEGORIES:
+        stage(
+            f"eval_never_call_{category.removeprefix('multi_turn_')}",
+            recipe.held_out(category),
+            False,
+        )
+    first, *rest = range(1, recipe.PARTS + 1)
+    for part in (first, *rest):
+        stage(f"eval_grpo_seed0_part{part}", recipe.held_out_part(part), part == first)
+    report = recipe.report(tmp_path)
+    pooled = report["models"]["grpo_seed0"]["pooled"]
+    assert pooled["entries"] == 208
+    assert pooled["entry_accuracy"] == pytest.approx(len(recipe.held_out_part(first)) / 208)
+    assert set(report["models"]["grpo_seed0"]) == {*recipe.CATEGORIES, "pooled"}
+    gain = report["paired_gains"]["grpo_seed0_over_never_call"]["valid"]["gain"]
+    assert gain == pytest.approx(pooled["entry_accuracy"])
+    # with a part missing, a model is reported but not compared
+    (tmp_path / f"eval_grpo_seed0_part{first}.json").unlink()
+    assert recipe.report(tmp_path)["paired_gains"] == {}

@@ -15,7 +15,7 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
 
 CATEGORIES = MULTI_TURN_CATEGORIES
 BASELINES = ("never_call", "sft", "zero_shot", "rft")
-"""(b), (c), (a), (d): the stages ``eval_<name>_<category>``."""
+"""(b), (c), (a), (d): the stages ``eval_<name>_<category or part>``."""
 SEEDS = (0, 1, 2)
 
 
@@ -42,12 +42,13 @@ def report(out: Path) -> dict:
     stages |= {"best_of_n": "best_of_n"} | {f"eval_grpo_seed{s}": f"grpo_seed{s}" for s in SEEDS}
     rows: dict[str, dict[str, dict]] = {}
     for stage, name in stages.items():
-        for category in CATEGORIES:
-            found = out / f"{stage}_{category.removeprefix('multi_turn_')}.json"
-            if found.exists():
-                rows.setdefault(name, {})[category] = json.loads(found.read_text())["per_entry"]
+        # a stage a category (never-call) or a part of whole backend groups (the models)
+        for found in sorted(out.glob(f"{stage}_*.json")):
+            for entry_id, row in json.loads(found.read_text())["per_entry"].items():
+                category = truths[entry_id].category
+                rows.setdefault(name, {}).setdefault(category, {})[entry_id] = row
     models = {name: model_report(scored, truths, seen) for name, scored in rows.items()}
-    complete = {n: pooled(r) for n, r in rows.items() if len(r) == len(CATEGORIES)}
+    complete = {n: pooled(r) for n, r in rows.items() if len(pooled(r)) == len(truths)}
     baselines = [n for n in complete if n in BASELINES]
     gains = {
         f"{grpo}_over_{baseline}": {

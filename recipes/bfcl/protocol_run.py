@@ -155,17 +155,39 @@ def held_out(category: str) -> list[MultiTurnEntry]:
     return load_multi_turn_entries([category], "held_out")  # type: ignore[list-item]
 
 
-def score(model, out: Path, label: str, category: str, **options) -> dict:
-    """The held-out entries of ``category`` played by ``model`` (a model folder or run, or a
-    ``ChatSampler``), each entry's BFCL verdict, prefix turns and our per-turn count."""
+PARTS = 4
+"""Held-out scoring runs in 4 parts of whole backend groups (about 52 entries each), every
+category's entries of a group in the same part: a group's tool prompt (3-8k tokens) is the
+same in all four categories up to where they differ (miss_func leaves a function out), so the
+engine's prefix cache computes it once for all of them instead of once a category; and a part
+is short enough to finish within a session (a stage that is stopped is scored again)."""
+
+
+@functools.cache
+def held_out_part(part: int) -> tuple[MultiTurnEntry, ...]:
+    """Part ``part`` (1 to ``PARTS``) of the 208 held-out entries, in play order: a backend
+    group's entries side by side, a scenario's categories next to each other (they share the
+    longest prompt prefixes). The scores are per entry: the order and the parts change none."""
+    entries = [entry for category in CATEGORIES for entry in held_out(category)]
+    groups = sorted({entry.involved_classes for entry in entries})
+    sizes = {group: sum(e.involved_classes == group for e in entries) for group in groups}
+    part_of, taken = {}, 0
+    for group in groups:  # whole groups, cut where the running count passes k/PARTS
+        part_of[group] = min(PARTS, 1 + taken * PARTS // len(entries))
+        taken += sizes[group]
+    chosen = [entry for entry in entries if part_of[entry.involved_classes] == part]
+    return tuple(sorted(chosen, key=lambda e: (e.involved_classes, e.scenario, e.category)))
+
+
+def score(model, out: Path, label: str, entries, **options) -> dict:
+    """``entries`` (held-out) played by ``model`` (a model folder or run, or a
+    ``ChatSampler``): each entry's category, BFCL verdict, prefix turns and our per-turn
+    count; per category, the entries' accuracies."""
     from post_training_cookbook.evaluation import evaluate
 
-    # entries of one backend group side by side: a prefill batch computes their shared tool
-    # prompt once (engine/decoder.py); the scores are per entry, so the order changes none
-    ordered = sorted(held_out(category), key=lambda e: (e.involved_classes, e.scenario))
     result = evaluate(
-        model, [entry.to_task() for entry in ordered], env_factory, 1,
-        temperature=0.0, label=f"{label}_{category}", runs_dir=out / "evals", progress=True,
+        model, [entry.to_task() for entry in entries], env_factory, 1,
+        temperature=0.0, label=label, runs_dir=out / "evals", progress=True,
         **EVAL, **options,
     )  # fmt: skip
     per_entry = {}
@@ -174,6 +196,7 @@ def score(model, out: Path, label: str, category: str, **options) -> dict:
         (episode,) = group.episodes
         metrics = episode.metrics
         per_entry[entry.id] = {
+            "category": entry.category,
             "turns": len(entry.turns),
             "valid": metrics.get("bfcl_mt_entry_valid") == 1.0,
             "prefix_turns": int(metrics.get("bfcl_mt_prefix_turns", 0.0)),
@@ -183,18 +206,23 @@ def score(model, out: Path, label: str, category: str, **options) -> dict:
             "ended": "terminated" if episode.truncation is None else episode.truncation.value,
             "sampled_tokens": episode.num_sampled_tokens,
         }
-    rows = list(per_entry.values())
-    turns = sum(row["turns"] for row in rows)
-    seconds = result.elapsed_s
+    per_category = {}
+    for category in sorted({row["category"] for row in per_entry.values()}):
+        rows = [row for row in per_entry.values() if row["category"] == category]
+        turns = sum(row["turns"] for row in rows)
+        per_category[category] = {
+            "entries": len(rows),
+            "entry_accuracy": sum(row["valid"] for row in rows) / len(rows),
+            "prefix_turn_accuracy": sum(row["prefix_turns"] for row in rows) / turns,
+            "turn_accuracy_ours": sum(row["turns_valid_ours"] for row in rows) / turns,
+        }
+    sampled = sum(row["sampled_tokens"] for row in per_entry.values())
     return {
-        "category": category,
-        "entries": len(rows),
-        "entry_accuracy": sum(row["valid"] for row in rows) / len(rows),
-        "prefix_turn_accuracy": sum(row["prefix_turns"] for row in rows) / turns,
-        "turn_accuracy_ours": sum(row["turns_valid_ours"] for row in rows) / turns,
+        "entries": len(per_entry),
+        "per_category": per_category,
         "parse_rate": result.metrics.get("eval/parse_rate"),
         "termination": result.termination,
-        "sampled_tokens_per_s": sum(row["sampled_tokens"] for row in rows) / seconds,
+        "sampled_tokens_per_s": sampled / result.elapsed_s,
         "engine": engine_record(result),
         "per_entry": per_entry,
         "eval_dir": str(result.output_dir),
@@ -212,17 +240,20 @@ def never_call(out: Path, category: str) -> dict:
     from post_training_cookbook.bundled_envs.bfcl.ground_truth import NeverCallPlayer
     from post_training_cookbook.sft.demonstrations import ScriptedChat
 
-    return score(ScriptedChat(NeverCallPlayer()), out, "never_call", category)
+    label = f"never_call_{category}"
+    return score(ScriptedChat(NeverCallPlayer()), out, label, held_out(category))
 
 
-def zero_shot(out: Path, category: str) -> dict:
+def zero_shot(out: Path, part: int) -> dict:
     """Baseline (a): the model as it comes, its template's own tool-call format."""
-    return score(str(qwen_coder_folder()), out, "zero_shot", category, **LOCAL)
+    label = f"zero_shot_part{part}"
+    return score(str(qwen_coder_folder()), out, label, held_out_part(part), **LOCAL)
 
 
-def sft_model(out: Path, category: str) -> dict:
+def sft_model(out: Path, part: int) -> dict:
     """Baseline (c): the SFT stage's final model."""
-    return score(str(out / "sft" / "final_model"), out, "sft", category, **LOCAL)
+    model = str(out / "sft" / "final_model")
+    return score(model, out, f"sft_part{part}", held_out_part(part), **LOCAL)
 
 
 TRAIN_LIMITS = {
@@ -319,27 +350,28 @@ def rft(out: Path) -> dict:
     return {"conversations": len(lines), "final_model": str(run.final_model_dir)}
 
 
-def best_of_n(out: Path, category: str) -> dict:
+def best_of_n(out: Path, part: int) -> dict:
     """Reference (e): ``BEST_OF`` samples of (c) per held-out entry at temperature 1, BFCL's
     loop and bounds; an entry passes when any sample passes, its prefix is the longest."""
     from post_training_cookbook.evaluation import evaluate
 
     result = evaluate(
-        str(out / "sft" / "final_model"), [entry.to_task() for entry in held_out(category)],
+        str(out / "sft" / "final_model"), [entry.to_task() for entry in held_out_part(part)],
         env_factory, BEST_OF, temperature=1.0, **LOCAL,
-        label=f"best_of_{BEST_OF}_{category}", runs_dir=out / "evals", progress=True, **EVAL,
+        label=f"best_of_{BEST_OF}_part{part}", runs_dir=out / "evals", progress=True, **EVAL,
     )  # fmt: skip
     per_entry = {}
     for group in result.groups:
         entry = MultiTurnEntry.from_task(group.task)
         metrics = [episode.metrics for episode in group.episodes]
         per_entry[entry.id] = {
+            "category": entry.category,
             "turns": len(entry.turns),
             "valid": any(m.get("bfcl_mt_entry_valid") == 1.0 for m in metrics),
             "prefix_turns": max(int(m.get("bfcl_mt_prefix_turns", 0.0)) for m in metrics),
             "turns_valid_ours": max(int(m.get("bfcl_mt_turns_valid", 0.0)) for m in metrics),
         }
-    return {"category": category, "samples": BEST_OF, "per_entry": per_entry,
+    return {"part": part, "samples": BEST_OF, "per_entry": per_entry,
             "engine": engine_record(result), "eval_dir": str(result.output_dir)}  # fmt: skip
 
 
@@ -347,9 +379,10 @@ SEED = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 
 """``--seed N``: GRPO's seed (the protocol's are 0, 1 and 2)."""
 
 
-def rft_model(out: Path, category: str) -> dict:
-    """Baseline (d) on the held-out entries of ``category``."""
-    return score(str(out / "rft" / "final_model"), out, "rft", category, **LOCAL)
+def rft_model(out: Path, part: int) -> dict:
+    """Baseline (d) on a part of the held-out entries."""
+    model = str(out / "rft" / "final_model")
+    return score(model, out, f"rft_part{part}", held_out_part(part), **LOCAL)
 
 
 def grpo_start(out: Path) -> str:
@@ -421,10 +454,10 @@ def grpo(out: Path) -> dict:
     return {"start": start, "run_dir": str(run.path), "final_model": str(run.final_model_dir)}
 
 
-def grpo_model(out: Path, category: str) -> dict:
-    """A GRPO seed's final model on the held-out entries of ``category``."""
-    run = out / f"grpo_seed{SEED}"
-    return score(str(run), out, f"grpo_seed{SEED}", category, **LOCAL)
+def grpo_model(out: Path, part: int) -> dict:
+    """A GRPO seed's final model on a part of the held-out entries."""
+    run, label = out / f"grpo_seed{SEED}", f"grpo_seed{SEED}_part{part}"
+    return score(str(run), out, label, held_out_part(part), **LOCAL)
 
 
 def bfcl_single_turn(out: Path, model: str) -> dict:
@@ -448,16 +481,22 @@ def bfcl_single_turn(out: Path, model: str) -> dict:
     return {"model": model, "correct": sum(verdicts.values()), "per_item": verdicts}
 
 
-BASELINES = {"never_call": never_call, "sft": sft_model, "zero_shot": zero_shot}
-EVAL_STAGES = {
-    f"eval_{name}_{category.removeprefix('multi_turn_')}": functools.partial(
-        function, category=category
+NEVER_CALL_STAGES = {
+    f"eval_never_call_{category.removeprefix('multi_turn_')}": functools.partial(
+        never_call, category=category
     )
-    for name, function in BASELINES.items()
     for category in CATEGORIES
 }
-"""One stage a model and category (each 52 held-out entries), so a run stopped between them
-keeps what it scored; ``report`` reads whichever have run."""
+"""(b) needs no model: one stage a category (its 52 entries, ~20 s each)."""
+
+
+def per_part(function, prefix: str) -> dict:
+    """One stage a part of the held-out entries (``held_out_part``), so a run stopped between
+    them keeps what it scored; ``report`` reads whichever have run."""
+    return {
+        f"{prefix}_part{part}": functools.partial(function, part=part)
+        for part in range(1, PARTS + 1)
+    }
 
 
 def per_category(function, prefix: str) -> dict:
@@ -469,7 +508,7 @@ def per_category(function, prefix: str) -> dict:
 
 GRPO_STAGES = {
     f"grpo_seed{SEED}": grpo,
-    **per_category(grpo_model, f"eval_grpo_seed{SEED}"),
+    **per_part(grpo_model, f"eval_grpo_seed{SEED}"),
     f"bfcl_single_turn_grpo_seed{SEED}": lambda out: bfcl_single_turn(
         out, str(out / f"grpo_seed{SEED}")
     ),
@@ -477,14 +516,16 @@ GRPO_STAGES = {
 STAGE_FUNCTIONS = {
     "demos": demos,
     "sft": sft,
-    **EVAL_STAGES,
+    **NEVER_CALL_STAGES,
+    **per_part(sft_model, "eval_sft"),
+    **per_part(zero_shot, "eval_zero_shot"),
     "bfcl_single_turn_zero_shot": lambda out: bfcl_single_turn(out, str(qwen_coder_folder())),
     "bfcl_single_turn_sft": lambda out: bfcl_single_turn(out, str(out / "sft" / "final_model")),
     **per_category(rft_samples, "rft_samples"),
     "rft": rft,
-    **per_category(rft_model, "eval_rft"),
+    **per_part(rft_model, "eval_rft"),
     **per_category(train_score_rft, "train_score_rft"),
-    **per_category(best_of_n, "best_of_n"),
+    **per_part(best_of_n, "best_of_n"),
     **GRPO_STAGES,
     "report": report,
 }
