@@ -100,7 +100,7 @@ def engine_threads() -> int:
 def test_a_sigterm_from_outside_stops_after_the_step_saved_and_the_resume_continues_there(
     tiny_llama_dir, tmp_path
 ):
-    num_steps, run_dir = 5, tmp_path / "run"
+    num_steps, run_dir = 8, tmp_path / "run"
     # Only the final checkpoint is due: any other is the stop's.
     run = start_run(tiny_llama_dir, tmp_path, num_steps, resume=False, CHECKPOINT_INTERVAL="0")
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 240
