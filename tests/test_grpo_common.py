@@ -19,6 +19,7 @@ import json
 import os
 import random
 import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,8 +28,15 @@ from typing import Any, Literal
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE
@@ -354,6 +362,37 @@ def run_resumable(
 # ---------------------------------------------------------------- the kill tests' subprocess
 
 
+def start_run(
+    model: Path, runs_dir: Path, num_steps: int, *, resume: bool, **env: str
+) -> subprocess.Popen:
+    """``run_resumable`` in a subprocess; its output goes to ``runs_dir/subprocess.log``
+    (a pipe nobody reads would fill up and stop it). Without the native decode kernels,
+    which the scripted policy never uses: a kill while torch builds them would leave its
+    build lock behind, and every later process on the machine would wait on it."""
+    arguments = [sys.executable, Path(__file__), model, runs_dir, str(num_steps)]
+    quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with (runs_dir / "subprocess.log").open("w") as log:
+        return subprocess.Popen(
+            [*arguments, *(["resume"] if resume else [])],
+            env={**os.environ, **quiet, "POST_TRAINING_COOKBOOK_NATIVE": "0", **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def output_of(runs_dir: Path) -> str:
+    return (runs_dir / "subprocess.log").read_text()[-4000:]
+
+
+def assert_same_final_model(run_dir: Path, reference: Path) -> None:
+    """The final model loads in transformers, with the reference run's weights bit for bit."""
+    AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
+    ours = load_file(run_dir / "final_model" / "model.safetensors")
+    theirs = load_file(reference / "final_model" / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
 def pause_in_checkpoint(monkeypatch: Any, where: str, flag: Path) -> None:
     """Make the run stop inside one checkpoint's save, write ``flag`` and wait there to be
     killed: ``files:<step>`` once the trainer's files are written (the loop's are not),
@@ -411,7 +450,8 @@ def slow_checkpoints(monkeypatch: Any, seconds: float) -> None:
 if __name__ == "__main__":
     # The kill tests' subprocess: python test_grpo_common.py MODEL DIR NUM_STEPS [resume].
     # PAUSE_IN_CHECKPOINT=files:3 or rename:3 (with PAUSE_FLAG=path): see pause_in_checkpoint;
-    # SLOW_CHECKPOINT_S=0.1: see slow_checkpoints.
+    # SLOW_CHECKPOINT_S=0.1: see slow_checkpoints; CHECKPOINT_INTERVAL=0: only the final one
+    # (default 1: every step).
     with pytest.MonkeyPatch.context() as patches:
         if "PAUSE_IN_CHECKPOINT" in os.environ:
             where, flag = os.environ["PAUSE_IN_CHECKPOINT"], Path(os.environ["PAUSE_FLAG"])
@@ -424,4 +464,5 @@ if __name__ == "__main__":
             "run",
             resume=sys.argv[4:] == ["resume"],
             num_steps=int(sys.argv[3]),
+            checkpoint_interval=int(os.environ.get("CHECKPOINT_INTERVAL", "1")),
         )

@@ -12,23 +12,23 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
-from test_grpo_common import read_jsonl, run_resumable, train_dump
-from transformers import AutoModelForCausalLM
-
-TESTS = Path(__file__).parent
+from test_grpo_common import (
+    assert_same_final_model,
+    output_of,
+    read_jsonl,
+    run_resumable,
+    start_run,
+    train_dump,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -45,15 +45,6 @@ def outcome(run_dir: Path, num_steps: int) -> tuple[list[list[str]], list[float]
     the policy version after each."""
     tasks = [[r["task"]["prompt"] for r in train_dump(run_dir, s)] for s in range(num_steps)]
     return tasks, [line["policy/version"] for line in read_jsonl(run_dir / "metrics.jsonl")]
-
-
-def assert_same_final_model(run_dir: Path, reference: Path) -> None:
-    """The final model loads in transformers, with the reference run's weights bit for bit."""
-    AutoModelForCausalLM.from_pretrained(run_dir / "final_model")
-    ours = load_file(run_dir / "final_model" / "model.safetensors")
-    theirs = load_file(reference / "final_model" / "model.safetensors")
-    assert ours.keys() == theirs.keys()
-    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -216,28 +207,6 @@ def test_a_resume_that_changes_settings_keeps_the_runs_earlier_config(
 
 
 # ---------------------------------------------------------------- kill -9
-
-
-def start_run(
-    model: Path, runs_dir: Path, num_steps: int, *, resume: bool, **env: str
-) -> subprocess.Popen:
-    """``run_resumable`` in a subprocess; its output goes to ``runs_dir/subprocess.log``
-    (a pipe nobody reads would fill up and stop it). Without the native decode kernels,
-    which the scripted policy never uses: a kill while torch builds them would leave its
-    build lock behind, and every later process on the machine would wait on it."""
-    arguments = [sys.executable, TESTS / "test_grpo_common.py", model, runs_dir, str(num_steps)]
-    quiet = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with (runs_dir / "subprocess.log").open("w") as log:
-        return subprocess.Popen(
-            [*arguments, *(["resume"] if resume else [])],
-            env={**os.environ, **quiet, "POST_TRAINING_COOKBOOK_NATIVE": "0", **env},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-
-
-def output_of(runs_dir: Path) -> str:
-    return (runs_dir / "subprocess.log").read_text()[-4000:]
 
 
 def kill_when_paused(process: subprocess.Popen, flag: Path) -> None:

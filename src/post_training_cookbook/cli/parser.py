@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any, NoReturn
 from post_training_cookbook.cli import commands
 from post_training_cookbook.cli.loading import DEFAULT_ENV, DEFAULT_TASKS, CliError
 from post_training_cookbook.cli.sft import add_sft
+from post_training_cookbook.runs.stopping import TrainingStopped
 
 PROG = commands.PROG
 
@@ -30,6 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args.run(args))
+    except TrainingStopped as stopped:  # a scheduler's SIGTERM, honoured: the status it expects
+        print(f"{PROG} {args.command}: {stopped}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except (CliError, ValueError, ImportError) as exc:
         return _fail(args, exc, status=2)
     except (OSError, RuntimeError) as exc:

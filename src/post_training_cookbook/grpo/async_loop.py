@@ -46,9 +46,9 @@ from post_training_cookbook.grpo.async_workers import (
 )
 from post_training_cookbook.grpo.data import task_stream
 from post_training_cookbook.grpo.lockstep import (
+    checkpoint_phase,
     distill_phase,
     rollout_metrics,
-    save_checkpoint,
     train,
     validation_phase,
 )
@@ -147,6 +147,7 @@ async def run_async(
         run.episodes, service, stream, ledger, run.train_params, steps, async_settings
     )
     validations = BackgroundValidations(run, val_tasks)
+    run.stop.check_before_training(run.start_step)
     workers.start()
     try:
         for step in range(run.start_step, schedule.num_steps):
@@ -179,11 +180,10 @@ async def run_async(
                 "async/generator_idle_s": service.generator_idle_s() - idle_before,
             }
             run.log.record(step, metrics)
-            # 5. checkpoint
-            if schedule.checkpoint_due(step + 1):
-                done_above = sorted(ledger.done_above)
-                state = LoopState(step + 1, ledger.low_water, run.name, done_above)
-                await save_checkpoint(run, state)
+            # 5. checkpoint (and stop, saved, when a scheduler asked: the groups in flight
+            # are not done, so a resumed run plays them again)
+            done_above = sorted(ledger.done_above)
+            await checkpoint_phase(run, LoopState(step + 1, ledger.low_water, run.name, done_above))
         await validations.drain()
     finally:
         await workers.stop()

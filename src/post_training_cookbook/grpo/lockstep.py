@@ -5,7 +5,8 @@
     2. score       shaped rewards → group-relative advantages → training samples
     3. train       forward_backward → optim_step → weights_sync (SYNCHRONOUS in lockstep)
     4. record      the step's rollout dump; metrics.jsonl, W&B, console
-    5. checkpoint  on schedule, with the task cursor, so a resumed run sees the same tasks
+    5. checkpoint  on schedule, with the task cursor, so a resumed run sees the same tasks;
+                   and when a scheduler asked the run to stop (SIGTERM): then it stops here
 
 Where this departs from textbook GRPO, and why:
 - Episodes are whole multi-turn conversations, one sample each: every sampled token of the
@@ -48,6 +49,7 @@ from post_training_cookbook.rollout import (
     play_groups,
 )
 from post_training_cookbook.runs.directory import LoopState
+from post_training_cookbook.runs.saving import checkpoint_step
 from post_training_cookbook.service.base import ModelService
 
 
@@ -59,6 +61,7 @@ async def run_lockstep(
     max_model_length = run.settings.episodes.max_model_length
     cursor = run.resumed.task_cursor if run.resumed else 0
     stream = task_stream(tasks, steps.seed, cursor=cursor)
+    run.stop.check_before_training(run.start_step)
     for step in range(run.start_step, schedule.num_steps):
         metrics: dict[str, float] = {}
         if val_tasks and schedule.validation_due(step):
@@ -83,9 +86,8 @@ async def run_lockstep(
             "throughput/sampled_tokens_per_s": collected.sampled_tokens / max(1e-9, collect_s),
         }
         run.log.record(step, metrics)
-        # 5. checkpoint
-        if schedule.checkpoint_due(step + 1):
-            await save_checkpoint(run, LoopState(step + 1, stream.cursor, run.name))
+        # 5. checkpoint (and stop, saved, when a scheduler asked)
+        await checkpoint_phase(run, LoopState(step + 1, stream.cursor, run.name))
 
 
 # ---------------------------------------------------------------- the phases
@@ -215,10 +217,8 @@ async def validation_phase(run: Run, val_tasks: Sequence[Task], step: int) -> di
     return metrics
 
 
-async def save_checkpoint(run: Run, state: LoopState) -> None:
-    """The trainer's files, then the loop's state, under a temporary name; the folder is
-    renamed to its step's once complete and durable, so a kill leaves no half checkpoint.
-    The rename is here, not in the trainer, which may be a Ray actor on another machine."""
-    partial = run.directory.partial_checkpoint(state.step)
-    await run.service.save_training_checkpoint(partial)
-    run.directory.commit_checkpoint(partial, state)
+async def checkpoint_phase(run: Run, state: LoopState) -> None:
+    """Phase 5: a checkpoint when one is due, or when a signal asked the run to stop: then
+    ``TrainingStopped`` once it is saved (``runs/saving.py``)."""
+    due = run.settings.schedule.checkpoint_due(state.step)
+    await checkpoint_step(run.directory, run.service, state, due=due, stop=run.stop)

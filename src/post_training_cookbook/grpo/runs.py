@@ -3,7 +3,7 @@ checkpoints and resume of ``runs/directory.py``, with a ``GRPOConfig`` in config
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from post_training_cookbook.deprecation import moved_name
@@ -11,6 +11,7 @@ from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.rollout import EpisodeRunner
 from post_training_cookbook.runs import directory
+from post_training_cookbook.runs.stopping import StopRequest
 from post_training_cookbook.service.base import ModelService
 
 if TYPE_CHECKING:
@@ -43,6 +44,9 @@ class Run:
     """The loop state of the checkpoint the run resumes from."""
     teacher: Teacher | None = None
     """On-policy distillation's teacher (``settings.teacher``), opened with the run."""
+    stop: StopRequest = field(default_factory=StopRequest)
+    """Set when a scheduler asks the run to stop (SIGTERM): the loop stops after the step it
+    is in, saved (``runs/stopping.py``)."""
 
     @property
     def start_step(self) -> int:

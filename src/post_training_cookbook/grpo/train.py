@@ -7,7 +7,9 @@ final model.
    checkpoint; only then the run directory (config.yaml) and W&B. A start or resume that
    fails leaves the run folder as it was. Whatever fails later, what was opened is closed.
 3. The loop: ``lockstep.run_lockstep``, or ``async_loop.run_async`` when
-   ``max_steps_off_policy`` is set.
+   ``max_steps_off_policy`` is set. A scheduler's SIGTERM stops it after the step it is in,
+   saved (``runs/stopping.py``); a full disk while it saves, with ``DiskFullError``
+   (``runs/saving.py``).
 4. The final validation and the final model (``runs/<run_name>/final_model``).
 """
 
@@ -21,7 +23,6 @@ from post_training_cookbook.distill.teacher import Teacher, check_same_tokenizer
 from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.envs.single_turn import SingleTurnEnv
-from post_training_cookbook.files import commit_folder, partial_folder
 from post_training_cookbook.grpo.async_loop import run_async
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.lockstep import run_lockstep, validation_phase
@@ -36,6 +37,8 @@ from post_training_cookbook.models.catalog import (
 from post_training_cookbook.models.loading import load_codec, load_tokenizer
 from post_training_cookbook.rollout import EpisodeRunner, EpisodesInFlight, check_episode_inputs
 from post_training_cookbook.runs.opening import claim_run_folder, open_run_folder
+from post_training_cookbook.runs.saving import save_final_model
+from post_training_cookbook.runs.stopping import StopRequest, stop_on_sigterm
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import check_service_spec, open_service
 from post_training_cookbook.sync import run_sync
@@ -53,11 +56,13 @@ def train_multi_turn(
     validation tasks: then leave ``env_factory`` and ``val_tasks`` out. Returns the run
     directory (``runs/<run_name>``). Bad input fails before any model loads. Without
     validation tasks the run does not validate (and says so once). Callable from sync code,
-    also inside a running event loop (a notebook).
+    also inside a running event loop (a notebook). A SIGTERM while it trains stops the run
+    after the step it is in, saved, with ``TrainingStopped`` (``runs/stopping.py``).
     """
     factory, val = _episode_inputs(tasks, env_factory, val_tasks)
     config, settings = _checked(config, tasks, factory, val)
-    return run_sync(_train(config, settings, tasks, factory, val))
+    with stop_on_sigterm() as stop:
+        return run_sync(_train(config, settings, tasks, factory, val, stop))
 
 
 def train_single_turn(
@@ -122,9 +127,10 @@ async def _train(
     tasks: Sequence[Task] | EnvMixture,
     env_factory: EnvFactory,
     val_tasks: Sequence[Task],
+    stop: StopRequest,
 ) -> RunDirectory:
     validation_interval = settings.schedule.validation_interval
-    async with open_run(config, settings, env_factory) as run:
+    async with open_run(config, settings, env_factory, stop=stop) as run:
         if validation_interval and not val_tasks:
             run.log.note(
                 f"validation is off: validation_interval={validation_interval} needs val_tasks"
@@ -134,9 +140,7 @@ async def _train(
         if val_tasks and validation_interval:
             end = settings.schedule.num_steps
             run.log.record(end, await validation_phase(run, val_tasks, end), advance=False)
-        final_model = partial_folder(run.directory.final_model_dir)  # renamed when complete
-        await run.service.save_inference_checkpoint(final_model)
-        commit_folder(final_model, run.directory.final_model_dir)
+        await save_final_model(run.directory, run.service)
         run.log.note(f"final model: {run.directory.final_model_dir}")
     return run.directory
 
@@ -147,6 +151,7 @@ async def open_run(
     settings: RunSettings,
     env_factory: EnvFactory,
     service: ModelService | None = None,
+    stop: StopRequest | None = None,
 ) -> AsyncIterator[Run]:
     """The run's codec and service (resumed from the newest readable checkpoint with
     ``resume``), directory and W&B; on the way out, whatever happened, each is closed in
@@ -154,7 +159,8 @@ async def open_run(
     everything has (``runs/opening.py``).
 
     ``service``: run on a service the caller built (and closes), instead of opening one
-    from ``settings.service``."""
+    from ``settings.service``. ``stop``: what tells the loop a scheduler asked it to stop
+    (``stop_on_sigterm``'s); none by default."""
     directory = claim_run_folder(RunDirectory, config)
     async with contextlib.AsyncExitStack() as opened:
         # After an error (the generators are closed by then): wait for the episodes still in
@@ -189,4 +195,5 @@ async def open_run(
             log=log,
             resumed=resumed,
             teacher=teacher,
+            stop=stop or StopRequest(),
         )

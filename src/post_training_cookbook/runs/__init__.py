@@ -1,7 +1,9 @@
 """What a run is, below every loop (GRPO's ``grpo/``, SFT's ``sft/``): its folder, checkpoints
 and resume (``directory.py``), the checks a resume makes of the folder (``checks.py``), where
 a step's metrics go (``reporting.py``), opening a run folder as every loop does
-(``opening.py``), and a model from a run folder (``models.py``).
+(``opening.py``), saving its checkpoints and final model, a full disk included
+(``saving.py``), stopping at a step boundary on SIGTERM (``stopping.py``), and a model from
+a run folder (``models.py``).
 
 A run folder's ``config.yaml`` loads back with the config class of the loop that wrote it.
 Loops hand theirs in (``config_type``); where a caller names none (``evaluate("runs/x")``,

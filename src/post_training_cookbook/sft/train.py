@@ -11,7 +11,9 @@ trainer service as GRPO.
 3. The loop: each step's conversations (``plan_batches``, fixed by the data and the seed),
    one ``forward_backward`` with the ``"sft"`` loss (mean NLL over the batch's trained
    tokens), one ``optim_step``; the validation loss every ``validation_interval`` steps;
-   atomic checkpoints every ``checkpoint_interval``.
+   atomic checkpoints every ``checkpoint_interval``. A scheduler's SIGTERM stops it after
+   the step it is in, saved (``runs/stopping.py``); a full disk while it saves, with
+   ``DiskFullError`` (``runs/saving.py``).
 4. The final validation loss and the final model (``runs/<run_name>/final_model``).
 
 Padding-free packing of short conversations into one row is not built yet: each
@@ -28,7 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from post_training_cookbook.files import commit_folder, partial_folder, write_text_atomic
+from post_training_cookbook.files import write_text_atomic
 from post_training_cookbook.models.availability import require_weights
 from post_training_cookbook.models.catalog import (
     ModelInfo,
@@ -41,6 +43,8 @@ from post_training_cookbook.runs.config import LearningRateSchedule
 from post_training_cookbook.runs.directory import LoopState, RunDirectory
 from post_training_cookbook.runs.models import trainer_settings
 from post_training_cookbook.runs.opening import claim_run_folder, open_run_folder
+from post_training_cookbook.runs.saving import checkpoint_step, save_final_model
+from post_training_cookbook.runs.stopping import StopRequest, stop_on_sigterm
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, check_service_spec, open_service
 from post_training_cookbook.sft.config import SFTConfig
@@ -73,6 +77,8 @@ def train_sft(
     checkpoints/, final_model/). ``val_conversations``: the validation loss ``val/nll``,
     before step 0, every ``validation_interval`` steps and at the end. Bad data or config
     fails before any model loads. Callable from sync code, also inside a running event loop.
+    A SIGTERM while it trains stops the run after the step it is in, saved, with
+    ``TrainingStopped``.
     """
     train = load_conversations(conversations)
     val = load_conversations(val_conversations) if val_conversations is not None else []
@@ -92,7 +98,8 @@ def train_sft(
             f"a token to train on ({len(train_data.skipped_too_long)} too long, "
             f"{len(train_data.skipped_untrained)} without an assistant turn)"
         )
-    return run_sync(_train(config, spec, train_data, val_data))
+    with stop_on_sigterm() as stop:
+        return run_sync(_train(config, spec, train_data, val_data, stop))
 
 
 def service_spec(config: SFTConfig, info: ModelInfo) -> ServiceSpec:
@@ -113,7 +120,7 @@ def service_spec(config: SFTConfig, info: ModelInfo) -> ServiceSpec:
 
 
 async def _train(
-    config: SFTConfig, spec: ServiceSpec, train: RenderedData, val: RenderedData
+    config: SFTConfig, spec: ServiceSpec, train: RenderedData, val: RenderedData, stop: StopRequest
 ) -> RunDirectory:
     directory = claim_run_folder(SFTRunDirectory, config)
     examples = train.examples
@@ -135,6 +142,7 @@ async def _train(
             log.note(note)
         start = resumed.step if resumed else 0
         name = config.resolved_run_name()
+        stop.check_before_training(start)
         for step in range(start, len(plan)):
             metrics: dict[str, float] = {}
             if val_samples and _validation_due(config, step):
@@ -150,16 +158,15 @@ async def _train(
             metrics.update({"time/train": time.perf_counter() - started})
             metrics["train/epoch"] = _epoch_of(plan, step, len(examples))
             log.record(step, metrics)
-            if step + 1 == len(plan) or (
-                config.checkpoint_interval and (step + 1) % config.checkpoint_interval == 0
-            ):
-                await _save_checkpoint(directory, service, LoopState(step + 1, step + 1, name))
+            due = step + 1 == len(plan) or (
+                config.checkpoint_interval > 0 and (step + 1) % config.checkpoint_interval == 0
+            )
+            state = LoopState(step + 1, step + 1, name)
+            await checkpoint_step(directory, service, state, due=due, stop=stop)
         if val_samples:
             final = {"val/nll": await validation_loss(service, val_samples)}
             log.record(len(plan), final, advance=False)
-        final_model = partial_folder(directory.final_model_dir)
-        await service.save_inference_checkpoint(final_model)
-        commit_folder(final_model, directory.final_model_dir)
+        await save_final_model(directory, service)
         log.note(f"final model: {directory.final_model_dir}")
     return directory
 
@@ -192,14 +199,6 @@ def _epoch_of(plan: list[list[int]], step: int, num_examples: int) -> float:
     """Passes over the data completed after ``step`` (fractional)."""
     seen = sum(len(batch) for batch in plan[: step + 1])
     return seen / max(num_examples, 1)
-
-
-async def _save_checkpoint(
-    directory: RunDirectory, service: ModelService, state: LoopState
-) -> None:
-    partial = directory.partial_checkpoint(state.step)
-    await service.save_training_checkpoint(partial)
-    directory.commit_checkpoint(partial, state)
 
 
 def _write_data_summary(
