@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from test_eval_common import (
     trained_run,
 )
 
-from post_training_cookbook.envs import Task
+from post_training_cookbook.envs import StepResult, Task
 from post_training_cookbook.evaluation import (
     EvalSettings,
     evaluate,
@@ -36,6 +37,7 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import RunSettings, eval_settings
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.rollout import Episode, EpisodeLimits, Group, TruncationCause
+from post_training_cookbook.types import Message
 
 
 def variety_eval(model, runs_dir, episodes_per_task=4, **options):
@@ -119,6 +121,34 @@ def test_evaluate_writes_every_episode_and_a_summary_that_agree(tmp_path):
     assert summary["engine"]["prefill_tokens_per_s"] == pytest.approx(
         engine.prefill_tokens_computed / engine.prefill_seconds
     )
+
+
+class ThreeRepliesEnv(VarietyEnv):
+    """VarietyEnv over three replies: the user says "more" after the first two."""
+
+    async def step(self, message: Message) -> StepResult:
+        result = await super().step(message)
+        if sum(m["role"] == "assistant" for m in self._messages) == 3:
+            return result
+        self._messages.append(Message(role="user", content="more"))
+        return StepResult(False, False, list(self._messages), reward=result.reward)
+
+
+def test_prefix_cache_bytes_bounds_what_later_turns_reuse():
+    """A later turn extends the earlier turn's KV from the prefix cache; with no room in the
+    cache it computes its whole prompt again, and the scores do not change."""
+
+    def three_turns(**options: Any) -> Any:
+        return evaluate(
+            str(tiny_model_dir()), VARIETY_TASKS, lambda task: ThreeRepliesEnv(), 2,
+            runs_dir=None, temperature=0.0, **SHORT_LIMITS, **options,
+        )  # fmt: skip
+
+    cached, uncached = three_turns(), three_turns(prefix_cache_bytes=0)
+    assert cached.engine is not None and uncached.engine is not None
+    assert cached.engine.prefill_tokens_reused > 0 == uncached.engine.prefill_tokens_reused
+    assert uncached.engine.prefill_tokens_computed > cached.engine.prefill_tokens_computed
+    assert cached.reward_mean == uncached.reward_mean
 
 
 def test_evaluate_without_runs_dir_writes_nothing(tmp_path, monkeypatch):
@@ -245,6 +275,7 @@ def test_evaluation_defaults_are_the_training_configs():
         ({"max_model_length": 4096}, "exceeds"),
         ({"label": "a/b"}, "label must be a folder name"),
         ({"env_factory": "not callable"}, "env_factory must be a callable"),
+        ({"prefix_cache_bytes": -1}, "prefix_cache_bytes must be >= 0"),
     ],
 )
 def test_bad_input_fails_with_a_reason_before_loading(options, message, monkeypatch):

@@ -51,8 +51,11 @@ folder's dtype. Sessions run on different CPUs: bf16 multiplies ~7x faster than 
 the CPU has AMX (430 vs 59 GFLOP/s a core) and ~9x slower where it has only AVX2 (6.8 vs 61),
 while fp32 runs at ~60 GFLOP/s a core on both, so scores taken in different sessions are
 taken at one precision and one speed (PROTOCOL.md, "Deviations")."""
-LOCAL = {"codec": QWEN_CODEC, "dtype": ENGINE_DTYPE}
-"""How every local model here is loaded for sampling."""
+LOCAL = {"codec": QWEN_CODEC, "dtype": ENGINE_DTYPE, "prefix_cache_bytes": 4 * 2**30}
+"""How every local model here is loaded for sampling. The prefix cache holds 4 GiB of KV: 16
+conversations of ~8k tokens in fp32 (24.6 KB a token for this model) and their groups' tool
+prompts, so that a turn extends its conversation's KV instead of computing it again (the
+default, 1/16 of this machine's memory, holds about half of them)."""
 MAX_MODEL_LENGTH = 16384
 """Every held-out conversation fits (prompts up to 7,988 tokens); Qwen2.5 takes 32k."""
 DEMO_LIMITS = {"max_turns": 200, "max_model_length": MAX_MODEL_LENGTH}

@@ -96,6 +96,7 @@ def evaluate(
     max_batch_size: int = 64,
     progress: bool = False,
     device: str = "auto",
+    prefix_cache_bytes: int | None = None,
 ) -> EvalResult:
     """Play ``episodes_per_task`` episodes of every task with ``model_or_checkpoint``.
 
@@ -112,6 +113,10 @@ def evaluate(
     reply), else to ``GRPOConfig``'s (6, 2,048, 256). ``pass_k`` defaults to 1, 2, 4, ... up to
     ``episodes_per_task``. ``dtype`` defaults to the run's, else the model's. ``device``: where
     the engine samples, as ``GRPOConfig.device`` (``"auto"``: CUDA when present).
+    ``prefix_cache_bytes``: the engine's prefix cache bound, as ``GRPOConfig``'s (None: a share
+    of the device's memory). A multi-turn episode reuses its previous turn's KV from that
+    cache; when ``max_batch_size`` long conversations are in flight and their KV does not fit,
+    turns compute their whole conversation again (``result.engine`` counts reused tokens).
     ``runs_dir=None`` writes nothing.
     Bad input raises ``ValueError`` before any weights load. Callable from sync code, also
     inside a running event loop; ``aevaluate`` is the async form.
@@ -141,6 +146,7 @@ def evaluate(
         benchmark=benchmark, limit=limit,
         codec=codec, step=step, dtype=dtype, pass_k=pass_k, label=label, runs_dir=runs_dir,
         max_batch_size=max_batch_size, progress=progress, device=device,
+        prefix_cache_bytes=prefix_cache_bytes,
     )  # fmt: skip
     return run_sync(coroutine)
 
@@ -162,6 +168,7 @@ async def aevaluate(
     max_batch_size: int = 64,
     progress: bool = False,
     device: str = "auto",
+    prefix_cache_bytes: int | None = None,
 ) -> EvalResult:
     """``evaluate`` for async callers, with the settings as one ``EvalSettings``."""
     started = time.perf_counter()
@@ -169,18 +176,27 @@ async def aevaluate(
     settings = settings or EvalSettings(temperature=0.0 if benchmark else 1.0)
     spec = BenchmarkSpec.parse(benchmark) if benchmark is not None else None
     tasks, env_factory = _inputs(tasks, env_factory, spec, limit)
+    if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
+        raise ValueError(f"prefix_cache_bytes must be >= 0 or None, got {prefix_cache_bytes}")
+    local_only = {
+        "codec": codec,
+        "step": step,
+        "dtype": dtype,
+        "prefix_cache_bytes": prefix_cache_bytes,
+    }
+    given = [name for name, value in local_only.items() if value is not None]
     if isinstance(model_or_checkpoint, HostedModel):
         hosted = model_or_checkpoint
-        if codec is not None or step is not None or dtype is not None:
-            raise ValueError("codec, step and dtype apply to local models, not a HostedModel")
+        if given:
+            raise ValueError(f"{', '.join(given)}: for a local model, not a HostedModel")
         ks = _checked(tasks, env_factory, settings, pass_k, label)
         hosted.api_key()  # an unset key fails before any episode starts
         name, source, tokenizer = hosted.name, hosted.base_url, "(the endpoint's own)"
         with _Bar(len(tasks), f"eval {name}", progress) as bar:
             groups = await play_hosted(hosted, tasks, env_factory, settings, bar.tick)
     elif isinstance(model_or_checkpoint, ChatSampler):  # a scripted policy, a baseline
-        if codec is not None or step is not None or dtype is not None:
-            raise ValueError("codec, step and dtype apply to local models, not a ChatSampler")
+        if given:
+            raise ValueError(f"{', '.join(given)}: for a local model, not a ChatSampler")
         sampler = model_or_checkpoint
         ks = _checked(tasks, env_factory, settings, pass_k, label)
         name = getattr(sampler, "name", type(sampler).__name__)
@@ -197,7 +213,7 @@ async def aevaluate(
         name, source, tokenizer = model.name, model.source, model.tokenizer_info.source
         groups, engine_stats = await _play(
             model, list(tasks), env_factory, settings, dtype, max_batch_size, progress,
-            engine_device,
+            engine_device, prefix_cache_bytes,
         )  # fmt: skip
     metrics, per_level, per_task = summarize(groups, settings, ks)
     result = EvalResult(
@@ -285,6 +301,7 @@ async def _play(
     max_batch_size: int,
     progress: bool,
     device: str,
+    prefix_cache_bytes: int | None,
 ) -> tuple[list[Group], EngineStats]:
     import torch
 
@@ -301,6 +318,7 @@ async def _play(
         device=device,
         max_batch_size=max_batch_size,
         copy_model=False,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     limits = settings.limits
     runner = EpisodeRunner(env_factory, engine, codec, limits)
