@@ -151,6 +151,23 @@ def test_prefix_cache_bytes_bounds_what_later_turns_reuse():
     assert cached.reward_mean == uncached.reward_mean
 
 
+def test_a_long_evaluation_shows_the_engines_counters_beside_its_progress(monkeypatch, capsys):
+    monkeypatch.setattr("post_training_cookbook.evaluation.runner.COUNTERS_EVERY_S", 0.02)
+    result = variety_eval(str(tiny_model_dir()), None, progress=True)
+    shown = capsys.readouterr().err
+    assert result.engine is not None and "prefill" in shown and "of prompts reused" in shown
+    from post_training_cookbook.engine.rows import EngineStats
+    from post_training_cookbook.evaluation.runner import engine_summary
+
+    stats = EngineStats(
+        prefill_tokens_computed=3000, prefill_tokens_reused=1000, prefill_seconds=2.0,
+        decode_tokens=50, decode_seconds=10.0,
+    )  # fmt: skip
+    assert engine_summary(stats) == (
+        "prefill 3,000 tok (1500/s, 25% of prompts reused), decode 50 tok (5.0/s)"
+    )
+
+
 def test_evaluate_without_runs_dir_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     result = variety_eval(str(tiny_model_dir()), None, episodes_per_task=1)

@@ -336,10 +336,37 @@ async def _play(
 
     try:
         with _Bar(len(tasks), f"eval {model.name}", progress) as bar:
-            groups = list(await asyncio.gather(*(play_task(task, bar) for task in tasks)))
+            # long multi-turn tasks finish late: the engine's counters show the work meanwhile
+            counters = asyncio.create_task(_show_counters(engine, bar)) if progress else None
+            try:
+                groups = list(await asyncio.gather(*(play_task(task, bar) for task in tasks)))
+            finally:
+                if counters is not None:
+                    counters.cancel()
         return groups, engine.stats()
     finally:
         await engine.close()
+
+
+COUNTERS_EVERY_S = 30.0
+
+
+async def _show_counters(engine: Any, bar: _Bar) -> None:
+    """Every ``COUNTERS_EVERY_S``, the engine's work so far beside the progress bar."""
+    while True:
+        await asyncio.sleep(COUNTERS_EVERY_S)
+        bar.show(engine_summary(engine.stats()))
+
+
+def engine_summary(stats: EngineStats) -> str:
+    """One line of an engine's counters: prompt tokens computed and reused, decode tokens."""
+    prompt = stats.prefill_tokens_computed + stats.prefill_tokens_reused
+    reused = stats.prefill_tokens_reused / prompt if prompt else 0.0
+    return (
+        f"prefill {stats.prefill_tokens_computed:,} tok ({stats.prefill_tokens_per_s:.0f}/s, "
+        f"{reused:.0%} of prompts reused), decode {stats.decode_tokens:,} tok "
+        f"({stats.decode_tokens_per_s:.1f}/s)"
+    )
 
 
 class _Bar:
@@ -350,6 +377,9 @@ class _Bar:
 
     def tick(self) -> None:
         self._bar.update(1)
+
+    def show(self, text: str) -> None:
+        self._bar.set_postfix_str(text)
 
     def __enter__(self) -> _Bar:
         return self
