@@ -230,3 +230,32 @@ def test_an_unreachable_endpoint_is_named() -> None:
     (error,) = asyncio.run(play(Tau2Env(user=settings(url))))
     assert isinstance(error, Tau2UserError) and error.cause == "unreachable"
     assert url in str(error)
+
+
+@pytest.mark.heavy
+def test_our_own_server_with_a_local_model_is_the_user_simulator() -> None:
+    import openai
+    from tau2.user.user_simulator import UserSimulator
+
+    from post_training_cookbook.models import BUNDLED_MODEL_ID
+    from post_training_cookbook.serve import start_server
+
+    record = from_task(AIRLINE)[1]
+    with start_server(BUNDLED_MODEL_ID) as server:
+        user = UserSimulatorSettings(
+            BUNDLED_MODEL_ID, base_url=server.base_url, api_key_env=None, max_tokens=24
+        )
+        (opening,) = asyncio.run(play(Tau2Env(user=user)))
+        # the same request, asked directly: τ²'s user prompt, the greeting as the user's turn
+        prompt = UserSimulator(instructions=str(record.user_scenario)).system_prompt
+        direct = openai.OpenAI(base_url=server.base_url, api_key="unused")
+        answer = direct.chat.completions.create(
+            model=BUNDLED_MODEL_ID,
+            messages=[
+                {"role": "system", "content": prompt},
+                {"role": "user", "content": "Hi! How can I help you today?"},
+            ],
+            temperature=0.0,
+            max_completion_tokens=24,
+        )
+    assert opening[-1] == {"role": "user", "content": answer.choices[0].message.content}
