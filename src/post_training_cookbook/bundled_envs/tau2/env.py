@@ -88,19 +88,41 @@ class Tau2Env(Env):
         self._tools: list[ToolSpec] = []
         self._messages: list[Message] = []
         self._calls = 0
+        self._call_names: dict[str, str] = {}
 
     async def reset(self, task: Task) -> list[Message]:
         await self.close()
-        t2 = tau2()
         domain, record = from_task(task)
-        if self.solo and not t2.agents.LLMSoloAgent.check_valid_task(record):
+        if self.solo and not tau2().agents.LLMSoloAgent.check_valid_task(record):
             raise ValueError(f"τ² task {record.id!r} ({domain}) has no ticket: solo mode needs one")
-        constructor = t2.registry.get_env_constructor(domain)
-        options = {"solo_mode": True} if self.solo else {}
-        environment = await asyncio.to_thread(constructor, **options)  # reads the domain's db
-        user_tools = environment.get_user_tools() if environment.user_tools else None
+        # off the event loop: τ²'s environment reads the domain's database when built, and
+        # its tools' schemas are pydantic's to make (0.05 to 0.5 s together)
+        orchestrator, self._tools = await asyncio.to_thread(self._build, domain, record)
+        self._orchestrator, self._agent, self._user = (
+            orchestrator,
+            orchestrator.agent,
+            orchestrator.user,
+        )
+        self._task, self._domain = record, domain
+        self.reward_info = self.simulation = None
+        self._started, self._start_time = time.perf_counter(), tau2().now()
+        self._calls, self._call_names = 0, {}
+        self._messages = [Message(role="system", content=orchestrator.agent.system_prompt)]
+        if not self.solo:  # τ²'s greeting, then the user's turns until the agent's
+            await self._others_turns()
+            self._messages += self._visible(orchestrator.trajectory, opening=True)
+        return list(self._messages)
+
+    def _build(self, domain: str, record: Any) -> tuple[Any, list[ToolSpec]]:
+        """τ²'s environment, agent, user and orchestrator for one episode, as τ²'s
+        ``run_task`` builds them (conversations: initialized, the greeting sent), and the
+        agent's tool specs."""
         from post_training_cookbook.bundled_envs.tau2 import roles
 
+        t2 = tau2()
+        constructor = t2.registry.get_env_constructor(domain)
+        environment = constructor(solo_mode=True) if self.solo else constructor()
+        user_tools = environment.get_user_tools() if environment.user_tools else None
         if self.solo:
             agent = roles.SoloPolicyAgent(
                 tools=environment.get_tools() + (user_tools or []),
@@ -114,8 +136,7 @@ class Tau2Env(Env):
                 tools=environment.get_tools(), domain_policy=environment.get_policy()
             )
             user = self.user.user_for(record, user_tools)
-        self._task, self._domain, self._agent, self._user = record, domain, agent, user
-        self._orchestrator = t2.orchestrator.Orchestrator(
+        orchestrator = t2.orchestrator.Orchestrator(
             domain=domain,
             agent=agent,
             user=user,
@@ -125,15 +146,9 @@ class Tau2Env(Env):
             max_errors=self.max_errors,
             solo_mode=self.solo,
         )
-        self.reward_info = self.simulation = None
-        self._started, self._start_time, self._calls = time.perf_counter(), t2.now(), 0
-        self._tools = [tool.openai_schema for tool in agent.tools]
-        self._messages = [Message(role="system", content=agent.system_prompt)]
-        if not self.solo:  # τ²'s greeting, then the user's turns until the agent's
-            self._orchestrator.initialize()
-            await self._others_turns()
-            self._messages += self._visible(self._orchestrator.trajectory, opening=True)
-        return list(self._messages)
+        if not self.solo:  # τ²'s solo start asks the agent first: at the first step
+            orchestrator.initialize()
+        return orchestrator, [tool.openai_schema for tool in agent.tools]
 
     async def step(self, message: Message) -> StepResult:
         orchestrator = self._orchestrator
@@ -252,6 +267,7 @@ class Tau2Env(Env):
             if not isinstance(arguments, dict) or not isinstance(name, str):
                 return None
             call_id = call.get("id") or f"call_{len(self._messages)}_{number}"
+            self._call_names[call_id] = name
             calls.append(tau2().messages.ToolCall(id=call_id, name=name, arguments=arguments))
         if not calls and not (isinstance(content, str) and content.strip()):
             return None
@@ -267,7 +283,10 @@ class Tau2Env(Env):
         seen: list[Message] = []
         for message in trajectory:
             if message.role == "tool" and message.requestor == "assistant":
-                seen.append(Message(role="tool", content=message.content, tool_call_id=message.id))
+                answer = Message(role="tool", content=message.content, tool_call_id=message.id)
+                if message.id in self._call_names:
+                    answer["name"] = self._call_names[message.id]
+                seen.append(answer)
             elif message.role == "user" and not message.is_tool_call():
                 seen.append(Message(role="user", content=message.content or ""))
             elif message.role == "assistant" and opening:
