@@ -292,3 +292,32 @@ def test_a_simulator_fault_is_an_env_error_naming_its_cause_in_the_rollout() -> 
     assert played.truncation is not None and played.truncation.value == "env"
     assert "τ² user simulator: timeout" in played.env_error
     assert played.reward == 0.0 and "tau2_reward" not in played.metrics
+
+
+def test_the_docs_example_builds_its_runs_as_printed() -> None:
+    from pathlib import Path
+
+    from post_training_cookbook.grpo.config import GRPOConfig
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "tau2.md").read_text()
+    example = page.split("```python\n", 1)[1].split("```", 1)[0]
+    runs: list[tuple[Any, list[Task], Any, Any]] = []
+
+    def train_multi_turn(config: Any, tasks: Any, env_factory: Any, val_tasks: Any = None) -> None:
+        runs.append((config, tasks, env_factory, val_tasks))  # what the loop would be given
+
+    code = example.replace("from post_training_cookbook.grpo.train import train_multi_turn\n", "")
+    exec(compile(code, "docs/tau2.md", "exec"), {"train_multi_turn": train_multi_turn})
+    (config, train, conversation, test), (_, solo, solo_factory, _) = runs
+    assert isinstance(config, GRPOConfig) and config.env_step_timeout_s == 120
+    assert (len(train), len(test), len(solo)) == (74, 40, 114)
+    assert isinstance(conversation(train[0]), Tau2Env) and conversation(train[0]).user
+    assert solo_factory(solo[0]).solo
+
+
+def test_a_user_who_stops_at_once_ends_the_episode_at_the_first_step() -> None:
+    with serving(UserServer(["say:Never mind. ###STOP###"])) as url:
+        user = UserSimulatorSettings("fake", base_url=url, api_key_env=None)
+        opening, result = asyncio.run(episode(Tau2Env(user=user), AIRLINE, GOODBYE))
+    assert opening[-1]["content"] == "Never mind. ###STOP###"
+    assert result.terminated and result.metrics["tau2_end_user_stop"] == 1.0
