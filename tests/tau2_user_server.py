@@ -4,7 +4,7 @@
 Each request takes the next behaviour of ``script`` (then ``default``):
 
 - ``say:TEXT``: a chat completion whose message is TEXT; ``call:NAME``: one tool call to
-  NAME with no arguments;
+  NAME with no arguments (``anon_call:NAME``: the same without an id, as some servers send);
 - ``status:N``: HTTP N with an OpenAI-style error body;
 - ``hang``: reads the request, then answers nothing, until the client goes away;
 - ``trickle``: sends the headers of a 200 and then one byte of body every 0.1 s, forever;
@@ -137,9 +137,10 @@ def serving(server: UserServer) -> Iterator[str]:
 def _message(kind: str, argument: str) -> dict[str, Any]:
     if kind == "say":
         return {"role": "assistant", "content": argument}
-    if kind == "call":
+    if kind in ("call", "anon_call"):
         function = {"name": argument, "arguments": "{}"}
-        return {"role": "assistant", "content": None, "tool_calls": [_call(function)]}
+        call = _call(function) if kind == "call" else {"type": "function", "function": function}
+        return {"role": "assistant", "content": None, "tool_calls": [call]}
     if kind == "bad_arguments":
         function = {"name": "check_status_bar", "arguments": "{not json"}
         return {"role": "assistant", "content": None, "tool_calls": [_call(function)]}

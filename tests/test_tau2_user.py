@@ -167,9 +167,12 @@ def test_the_simulator_gets_tau2s_prompt_and_the_sampling_settings() -> None:
     ]
 
 
-def test_a_telecom_user_calls_its_phone_on_tau2s_environment_unseen_by_the_agent() -> None:
+@pytest.mark.parametrize("kind", ["call", "anon_call"])
+def test_a_telecom_user_calls_its_phone_on_tau2s_environment_unseen_by_the_agent(
+    kind: str,
+) -> None:
     server = UserServer(
-        ["call:check_status_bar", "say:My phone shows no signal.", "say:###STOP###"]
+        [f"{kind}:check_status_bar", "say:My phone shows no signal.", "say:###STOP###"]
     )
     with serving(server) as url:
 
@@ -186,7 +189,9 @@ def test_a_telecom_user_calls_its_phone_on_tau2s_environment_unseen_by_the_agent
     assert "check_status_bar" in [tool["function"]["name"] for tool in first["tools"]]
     # the simulator got the call's result from τ²'s phone, as a tool message
     result_message = second["messages"][-1]
-    assert result_message["role"] == "tool" and result_message["tool_call_id"] == "call_user_1"
+    call_id = second["messages"][-2]["tool_calls"][0]["id"]  # the call, given an id if it had none
+    assert call_id == "call_user_1" if kind == "call" else call_id.startswith("call_")
+    assert result_message["role"] == "tool" and result_message["tool_call_id"] == call_id
     assert "Status Bar" in result_message["content"] or "status" in result_message["content"]
     # the agent saw only the user's text
     assert [m["role"] for m in opening] == ["system", "assistant", "user"]

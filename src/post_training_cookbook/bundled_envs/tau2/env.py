@@ -92,6 +92,7 @@ class Tau2Env(Env):
 
     async def reset(self, task: Task) -> list[Message]:
         await self.close()
+        await asyncio.to_thread(tau2)  # the first import takes seconds (litellm): not on the loop
         domain, record = from_task(task)
         if self.solo and not tau2().agents.LLMSoloAgent.check_valid_task(record):
             raise ValueError(f"τ² task {record.id!r} ({domain}) has no ticket: solo mode needs one")

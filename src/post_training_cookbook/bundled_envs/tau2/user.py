@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import os
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -78,8 +79,10 @@ class UserSimulatorSettings:
     seed: int | None = None
     extra_body: dict[str, Any] = field(default_factory=dict)
     """More request fields, sent as they are."""
-    timeout_s: float = 30.0
-    """One attempt's limit, the whole answer included (connection, waiting, reading)."""
+    timeout_s: float = 15.0
+    """One attempt's limit, the whole answer included (connection, waiting, reading). With
+    the other defaults a user turn takes at most 48 s, within the run's default
+    ``env_step_timeout_s`` (60 s): raise that with these."""
     max_attempts: int = 3
     """Attempts per turn: after a timeout, a dropped connection, 408/409/429/5xx, and a reply
     that is not JSON, not a chat completion, or empty. A body past ``max_response_bytes`` and
@@ -253,7 +256,8 @@ def _parse(body: bytes) -> Reply:
             arguments = json.loads(function["arguments"] or "{}")
             if not isinstance(arguments, dict) or not isinstance(function["name"], str):
                 raise TypeError("a tool call's arguments are not a JSON object")
-            calls.append((str(call.get("id") or ""), function["name"], arguments))
+            call_id = call.get("id") or f"call_{uuid.uuid4().hex[:16]}"  # some servers send none
+            calls.append((str(call_id), function["name"], arguments))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, RecursionError) as exc:
         raise _Failure("malformed", f"not a chat completion with a message: {exc}") from exc
     if not calls and not (content or "").strip():
