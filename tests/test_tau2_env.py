@@ -265,30 +265,32 @@ class ScriptedSampler:
 
 
 def play_through_rollout(task: Task, env_factory: Any, replies: list[Message]) -> Any:
-    from post_training_cookbook.evaluation.hosted import play_chat_tasks
-    from post_training_cookbook.evaluation.results import EvalSettings
-    from post_training_cookbook.rollout.types import EpisodeLimits
+    """``evaluate`` with the scripted policy: one episode, env errors truncating."""
+    from post_training_cookbook.evaluation import evaluate
 
-    limits = EpisodeLimits(max_turns=20, env_errors="truncate", env_step_timeout_s=30.0)
-    settings = EvalSettings(limits=limits)
-    (group,) = asyncio.run(play_chat_tasks(ScriptedSampler(replies), [task], env_factory, settings))
-    return group.episodes[0]
+    sampler = ScriptedSampler(replies)
+    return evaluate(
+        sampler, [task], env_factory, max_turns=20, env_errors="truncate", runs_dir=None
+    )
 
 
 def test_the_rollout_plays_an_episode_and_records_tau2s_reward() -> None:
     task = tau2_tasks("retail", limit=1)[0]
     _, record = from_task(task)
     replies = agent_messages(record, solo=False)
-    played = play_through_rollout(task, lambda task: Tau2Env(user=GoldScript()), replies)
+    result = play_through_rollout(task, lambda task: Tau2Env(user=GoldScript()), replies)
+    played = result.groups[0].episodes[0]
     assert played.env_error is None and played.truncation is None
     assert played.reward == 1.0 and played.metrics["tau2_end_user_stop"] == 1.0
     assert played.num_turns == len(replies)
+    assert result.reward_mean == 1.0 and result.metrics["eval/env/tau2_reward"] == 1.0
 
 
 def test_a_simulator_fault_is_an_env_error_naming_its_cause_in_the_rollout() -> None:
     with serving(UserServer(["say:Hello."], default="hang")) as url:
         user = UserSimulatorSettings("fake", base_url=url, api_key_env=None, timeout_s=0.5)
-        played = play_through_rollout(AIRLINE, lambda task: Tau2Env(user=user), [GOODBYE])
+        result = play_through_rollout(AIRLINE, lambda task: Tau2Env(user=user), [GOODBYE])
+    played = result.groups[0].episodes[0]
     assert played.truncation is not None and played.truncation.value == "env"
     assert "τ² user simulator: timeout" in played.env_error
     assert played.reward == 0.0 and "tau2_reward" not in played.metrics
