@@ -13,7 +13,8 @@ Each request takes the next behaviour of ``script`` (then ``default``):
   chat completion; ``bad_arguments``: a tool call whose arguments are not JSON;
   ``empty``: a message with no text and no tool calls; ``huge``: a 200 of 3 MB of text.
 
-Every request's JSON body is kept in ``requests``; for ``hang`` and ``trickle`` the server
+Every request's JSON body is kept in ``requests`` (its Authorization header in
+``authorizations``); for ``hang`` and ``trickle`` the server
 records how long after the request the client closed the connection (``closed_after_s``),
 so a test can see that the request was abandoned and not left open.
 """
@@ -50,6 +51,7 @@ class UserServer:
         self.script = list(script or [])
         self.default = default
         self.requests: list[dict[str, Any]] = []
+        self.authorizations: list[str | None] = []
         self.closed_after_s: list[float] = []
         self._lock = threading.Lock()
 
@@ -78,6 +80,7 @@ def serving(server: UserServer) -> Iterator[str]:
         def do_POST(self) -> None:
             started = time.monotonic()
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            server.authorizations.append(self.headers.get("Authorization"))
             behaviour = server.next_behaviour(body)
             kind, _, argument = behaviour.partition(":")
             if kind == "hang":

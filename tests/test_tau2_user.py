@@ -229,6 +229,16 @@ def test_a_missing_api_key_is_named_when_the_settings_are_built(
         settings("http://127.0.0.1:9/v1", api_key_env="TAU2_TEST_KEY")
 
 
+def test_the_key_is_sent_and_never_kept_in_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TAU2_TEST_KEY", "sk-tau2-test")
+    server = UserServer(["say:Hello."])
+    with serving(server) as url:
+        user = settings(url, api_key_env="TAU2_TEST_KEY")
+        asyncio.run(play(Tau2Env(user=user)))
+    assert server.authorizations == ["Bearer sk-tau2-test"]
+    assert "sk-tau2-test" not in repr(user) + repr(dataclasses.asdict(user))
+
+
 def test_an_unreachable_endpoint_is_named() -> None:
     with serving(UserServer()) as url:  # a port nobody listens on once this closes
         pass

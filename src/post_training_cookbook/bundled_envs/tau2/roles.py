@@ -106,7 +106,7 @@ class EndpointUser(PreparedUser):
         if self._client is None:
             settings = self.settings
             self._client = async_client(
-                str(settings.base_url), settings.api_key, timeout_s=settings.timeout_s
+                str(settings.base_url), settings.api_key(), timeout_s=settings.timeout_s
             )
         content, calls = await ask(self._client, self.settings, request)
         tool_calls = [

@@ -40,14 +40,12 @@ dropped); an HTTP error status; a body past ``max_response_bytes``; a body that 
 JSON that is not a chat completion with one message (or tool-call arguments that are not a
 JSON object); a message with neither text nor tool calls."""
 
-NOT_RETRIED = ("too_large",)
-"""Causes not worth another attempt (besides a 4xx other than 408, 409 and 429)."""
-
 
 class Tau2UserError(RuntimeError):
     """The user simulator gave no usable turn: ``cause`` (one of ``CAUSES``) says why. It
     leaves the env's ``reset`` or ``step``, so the rollout makes it an env error under
-    ``env_errors``: the episode is not scored, since its end is not the agent's doing."""
+    ``env_errors`` (the run stops, or the episode is truncated or played again), never a
+    reward of τ²'s: its end is not the agent's doing."""
 
     def __init__(self, cause: str, detail: str) -> None:
         super().__init__(f"τ² user simulator: {cause}: {detail}")
@@ -70,7 +68,8 @@ class UserSimulatorSettings:
     base_url: str | None = None
     """The endpoint's ``/v1`` URL; default ``$OPENAI_BASE_URL``, else OpenAI's."""
     api_key_env: str | None = "OPENAI_API_KEY"
-    """The environment variable holding the key (read when built); None: no key."""
+    """The environment variable holding the key (checked when built, read when a client is
+    made); None: an endpoint without one."""
     temperature: float = 0.0
     """Sampling temperature (τ²'s default for its user, 0.0)."""
     top_p: float | None = None
@@ -91,7 +90,6 @@ class UserSimulatorSettings:
     """The wait before the second attempt, doubling after each."""
     max_response_bytes: int = 1_000_000
     """A longer body is not read on: the turn fails (``too_large``)."""
-    api_key: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -117,7 +115,11 @@ class UserSimulatorSettings:
             raise ValueError(f"extra_body must be a dict, got {type(self.extra_body).__name__}")
         _check_number("timeout_s", self.timeout_s, low=0.0, strict=True)
         _check_number("backoff_s", self.backoff_s, low=0.0)
-        object.__setattr__(self, "api_key", api_key_from_env(self.api_key_env, base_url))
+        self.api_key()  # an unset key variable fails here, before any episode
+
+    def api_key(self) -> str:
+        """The key, read from ``api_key_env`` now (not kept: the settings may be logged)."""
+        return api_key_from_env(self.api_key_env, str(self.base_url))
 
     @property
     def name(self) -> str:
