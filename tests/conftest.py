@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -70,3 +72,23 @@ def bfcl_handler() -> Any:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OPENAI_API_KEY", "unused-no-request-is-made")
         return OpenAICompletionsHandler("gpt-4o-2024-11-20", 0.001, "gpt-4o-2024-11-20-FC", True)
+
+
+class RecordedSigterms:
+    """A Python SIGTERM handler that counts the signals it gets."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+
+@pytest.fixture
+def handler_before() -> Iterator[RecordedSigterms]:
+    """The process's SIGTERM handler before a test's training call: it counts the signals
+    it gets, instead of ending pytest (the test process's own is put back afterwards)."""
+    recorded = RecordedSigterms()
+    original = signal.signal(signal.SIGTERM, recorded)
+    yield recorded
+    signal.signal(signal.SIGTERM, original)

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -23,23 +21,6 @@ from post_training_cookbook.service import LocalModelService
 @pytest.fixture(autouse=True)
 def _quiet_tokenizers(monkeypatch):
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
-
-
-class RecordedSigterms:
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-
-
-@pytest.fixture
-def handler_before() -> Iterator[RecordedSigterms]:
-    """The process's SIGTERM handler around the run: it records, instead of ending pytest."""
-    recorded = RecordedSigterms()
-    original = signal.signal(signal.SIGTERM, recorded)
-    yield recorded
-    signal.signal(signal.SIGTERM, original)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

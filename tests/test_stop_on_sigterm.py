@@ -13,9 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 
 import pytest
 
@@ -23,61 +21,41 @@ from post_training_cookbook.cli import commands, main
 from post_training_cookbook.runs.stopping import StopRequest, TrainingStopped, stop_on_sigterm
 
 
-class RecordedSigterms:
-    """A Python SIGTERM handler that counts the signals it gets."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, signum: int, frame: FrameType | None) -> None:
-        self.count += 1
-
-
-@pytest.fixture
-def previous_handler() -> Iterator[RecordedSigterms]:
-    """The SIGTERM handler in place before each test's training call (the test process's
-    own is put back afterwards)."""
-    recorded = RecordedSigterms()
-    original = signal.signal(signal.SIGTERM, recorded)
-    yield recorded
-    signal.signal(signal.SIGTERM, original)
-
-
 def test_the_handler_is_held_only_while_the_call_runs_and_the_one_before_comes_back(
-    previous_handler,
+    handler_before,
 ):
     with stop_on_sigterm():
-        assert signal.getsignal(signal.SIGTERM) is not previous_handler
-    assert signal.getsignal(signal.SIGTERM) is previous_handler
+        assert signal.getsignal(signal.SIGTERM) is not handler_before
+    assert signal.getsignal(signal.SIGTERM) is handler_before
     with pytest.raises(RuntimeError, match="the loop failed"), stop_on_sigterm():
         raise RuntimeError("the loop failed")
-    assert signal.getsignal(signal.SIGTERM) is previous_handler
-    assert previous_handler.count == 0
+    assert signal.getsignal(signal.SIGTERM) is handler_before
+    assert handler_before.count == 0
 
 
 def test_the_first_sigterm_asks_to_stop_and_the_second_goes_to_the_handler_before(
-    previous_handler,
+    handler_before,
 ):
     with pytest.raises(TrainingStopped), stop_on_sigterm() as stop:
         signal.raise_signal(signal.SIGTERM)
         assert stop.requested and stop.signal_name == "SIGTERM"
-        assert previous_handler.count == 0
+        assert handler_before.count == 0
         signal.raise_signal(signal.SIGTERM)
-        assert previous_handler.count == 1  # at once, inside the call
+        assert handler_before.count == 1  # at once, inside the call
         raise stop.stopped(3, Path("runs/x/checkpoints/step_000003"))
-    assert previous_handler.count == 1  # the loop stopped: nothing more is passed on
-    assert signal.getsignal(signal.SIGTERM) is previous_handler
+    assert handler_before.count == 1  # the loop stopped: nothing more is passed on
+    assert signal.getsignal(signal.SIGTERM) is handler_before
 
 
 def test_a_sigterm_too_late_for_a_step_boundary_is_passed_on_once_the_call_returns(
-    previous_handler,
+    handler_before,
 ):
     """A SIGTERM during the final model's save: the call finishes, then the signal does
     what it would have done without the call's handler."""
     with stop_on_sigterm():
         signal.raise_signal(signal.SIGTERM)
-        assert previous_handler.count == 0
-    assert previous_handler.count == 1
+        assert handler_before.count == 0
+    assert handler_before.count == 1
 
 
 def test_a_stop_asked_for_while_the_run_loaded_stops_it_before_its_first_step():
@@ -93,7 +71,7 @@ def test_a_stop_asked_for_while_the_run_loaded_stops_it_before_its_first_step():
     assert stopped.value.checkpoint is None
 
 
-def test_a_call_outside_the_main_thread_installs_no_handler(previous_handler):
+def test_a_call_outside_the_main_thread_installs_no_handler(handler_before):
     seen: list[object] = []
 
     def train_in_a_thread() -> None:
@@ -103,7 +81,7 @@ def test_a_call_outside_the_main_thread_installs_no_handler(previous_handler):
     thread = threading.Thread(target=train_in_a_thread)
     thread.start()
     thread.join()
-    assert seen == [previous_handler, False]
+    assert seen == [handler_before, False]
 
 
 def test_with_the_default_handler_a_second_sigterm_ends_the_process_at_once():
