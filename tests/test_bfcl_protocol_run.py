@@ -152,3 +152,21 @@ def test_the_report_pools_a_models_parts_by_category(recipe, tmp_path):
     # with a part missing, a model is reported but not compared
     (tmp_path / f"eval_grpo_seed0_part{first}.json").unlink()
     assert recipe.report(tmp_path)["paired_gains"] == {}
+
+
+def test_training_stages_refuse_a_cpu_whose_bf16_is_slower_than_fp32(recipe, monkeypatch, tmp_path):
+    import stages
+
+    monkeypatch.setattr(stages, "bf16_speedup", lambda: 0.11)
+    with pytest.raises(SystemExit, match=r"rft: this CPU multiplies bf16 9\.1x slower"):
+        recipe.sft_config(tmp_path, "model", "rft")
+    with pytest.raises(SystemExit, match="grpo_seed0"):
+        recipe.grpo(tmp_path)
+    monkeypatch.setattr(stages, "bf16_speedup", lambda: 2.3)
+    assert recipe.sft_config(tmp_path, "model", "rft").trainer_precision == "bf16"
+
+
+def test_the_bf16_speedup_is_measured_on_this_cpu():
+    import stages
+
+    assert 0.01 < stages.bf16_speedup(rows=64, width=128, out=256) < 100

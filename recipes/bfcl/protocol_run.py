@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from protocol_report import report
 from qwen_coder import QWEN_CODEC, TOOL_CALL_TAGS, qwen_coder_folder, qwen_coder_tagged_folder
-from stages import stages_main
+from stages import require_fast_bf16, stages_main
 
 from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
     MultiTurnEntry,
@@ -103,6 +103,7 @@ def sft_config(out: Path, model: str, run_name: str, **extra: object):
     rank 8, bf16 trainer, cosine 2e-4, a checkpoint every step, resumed when the run exists."""
     from post_training_cookbook.sft import SFTConfig
 
+    require_fast_bf16(run_name)
     return SFTConfig(
         model=model,
         codec=QWEN_CODEC,
@@ -429,6 +430,7 @@ def grpo(out: Path) -> dict:
     from post_training_cookbook.grpo.train import train_multi_turn
 
     name = f"grpo_seed{SEED}"
+    require_fast_bf16(name)
     start = grpo_start(out)
     config = GRPOConfig(
         model=start,
