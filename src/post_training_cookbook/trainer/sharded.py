@@ -65,7 +65,7 @@ from post_training_cookbook.batching import length_groups
 from post_training_cookbook.trainer import checkpoints
 from post_training_cookbook.trainer.logprobs import MicroBatch, TokenLogprobs, collate
 from post_training_cookbook.trainer.packing import collate_packed, split_packed_across_ranks
-from post_training_cookbook.trainer.types import PackingMode, TrainingSample
+from post_training_cookbook.trainer.types import BatchSums, PackingMode, TrainingSample
 
 log = logging.getLogger(__name__)
 
@@ -319,15 +319,11 @@ class Shards:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         return int(-values[0]), int(-values[1]), bool(values[2])
 
-    def sum_results(
-        self, loss: float, metric_sums: dict[str, float]
-    ) -> tuple[float, dict[str, float]]:
-        """The loss and the token-weighted metric sums of every rank, added up."""
+    def sum_results(self, sums: BatchSums) -> BatchSums:
+        """Every rank's sums over its share of the batch, added up."""
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (loss, metric_sums))
-        total = sum(part[0] for part in gathered)
-        keys = sorted({key for _, sums in gathered for key in sums})
-        return total, {key: sum(sums.get(key, 0.0) for _, sums in gathered) for key in keys}
+        dist.all_gather_object(gathered, sums)
+        return sum(gathered, BatchSums())
 
     def gather_rows(self, rows: list[list[float]]) -> list[list[float]]:
         """Every rank's computed rows (the others are empty), on every rank."""

@@ -106,6 +106,7 @@ from post_training_cookbook.trainer.sharded_checkpoints import (
 )
 from post_training_cookbook.trainer.token_rows import check_token_rows, token_ids
 from post_training_cookbook.trainer.types import (
+    BatchSums,
     ForwardBackwardResult,
     LossConfig,
     OptimStepResult,
@@ -113,10 +114,6 @@ from post_training_cookbook.trainer.types import (
     TrainerSettings,
     TrainingSample,
 )
-
-# Router replay's counts, summed over micro-batches (and ranks) before they become a share.
-_ROUTED_OTHERWISE, _ROUTES_RECORDED = "router/_routed_otherwise", "router/_recorded"
-_FORWARDED = "train/_forwarded"
 
 log = logging.getLogger(__name__)
 
@@ -317,12 +314,8 @@ class Trainer:
         loss_fn = get_loss_fn(loss.loss_type)
         totals = batch_totals(samples)
         self._model.train()
-        total_loss = 0.0
-        metric_sums: dict[str, float] = {}
-        routed = [0, 0]  # router replay: tokens routed otherwise by our routers, recorded tokens
-        forwarded = 0  # token positions the model computed: padding in, shared prefixes once
+        sums = BatchSums()
         for batch in self._micro_batches(samples):
-            forwarded += (batch.packed or batch).input_ids.numel()
             reference = self._reference_logprobs(batch) if loss.kl_beta > 0 else None
             with self._checkpointing_for(batch), self._replaying(batch):
                 logprobs, entropy_sum = self._scorer(batch)
@@ -331,31 +324,31 @@ class Trainer:
                     reference_logprobs=reference, totals=totals,
                 )  # fmt: skip
                 value.backward()
-            if self._replay is not None:
-                routed = [a + b for a, b in zip(routed, self._replay.disagreement(), strict=True)]
-            total_loss += value.item()
             tokens = batch.mask.sum().item()
             metrics["loss/entropy"] = entropy_sum / max(tokens, 1e-8)
-            for key, mean in metrics.items():  # token-weighted, exact across micro-batches
-                metric_sums[key] = metric_sums.get(key, 0.0) + mean * tokens
-        metric_sums[_ROUTED_OTHERWISE], metric_sums[_ROUTES_RECORDED] = map(float, routed)
-        metric_sums[_FORWARDED] = float(forwarded)
-        if self._shards is not None:  # each rank's share of the batch loss and metrics
-            total_loss, metric_sums = self._shards.sum_results(total_loss, metric_sums)
+            replay = self._replay
+            routed_otherwise, recorded = replay.disagreement() if replay is not None else (0, 0)
+            sums += BatchSums(
+                loss=value.item(),
+                metric_sums={key: mean * tokens for key, mean in metrics.items()},
+                routed_otherwise=routed_otherwise,
+                routes_recorded=recorded,
+                # padding counts; a prefix shared in a packed stream counts once
+                forwarded_tokens=(batch.packed or batch).input_ids.numel(),
+            )
+        if self._shards is not None:  # each rank summed its share of the batch
+            sums = self._shards.sum_results(sums)
         self._has_grads = True
-        self._nonfinite_loss |= not math.isfinite(total_loss)
-        routed_otherwise, recorded = (
-            metric_sums.pop(_ROUTED_OTHERWISE),
-            metric_sums.pop(_ROUTES_RECORDED),
-        )
-        forwarded = int(metric_sums.pop(_FORWARDED))
+        self._nonfinite_loss |= not math.isfinite(sums.loss)
         denominator = max(totals.num_tokens, 1e-8)
-        metrics_out = {key: total / denominator for key, total in metric_sums.items()}
+        metrics_out = {key: total / denominator for key, total in sums.metric_sums.items()}
         if self._replay is not None:
-            metrics_out["router/disagreement"] = routed_otherwise / max(recorded, 1.0)
-            metrics_out["router/replayed_tokens"] = recorded
+            metrics_out["router/disagreement"] = sums.routed_otherwise / max(
+                sums.routes_recorded, 1
+            )
+            metrics_out["router/replayed_tokens"] = float(sums.routes_recorded)
         num_tokens = sum(s.num_trained_tokens for s in samples)
-        return ForwardBackwardResult(total_loss, metrics_out, num_tokens, forwarded)
+        return ForwardBackwardResult(sums.loss, metrics_out, num_tokens, sums.forwarded_tokens)
 
     def optim_step(self, learning_rate: float) -> OptimStepResult:
         """Clip gradients, apply AdamW at ``learning_rate`` and bump the version; skip the

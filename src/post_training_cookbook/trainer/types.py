@@ -123,6 +123,32 @@ class ForwardBackwardResult:
 
 
 @dataclass(frozen=True)
+class BatchSums:
+    """What ``forward_backward`` adds up over its micro-batches, and a sharded trainer over
+    its ranks, before any of it becomes a mean."""
+
+    loss: float = 0.0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    """Each metric's micro-batch mean times its trained tokens (exact token weighting)."""
+    routed_otherwise: int = 0
+    """Router replay: recorded tokens our own routers would have sent elsewhere."""
+    routes_recorded: int = 0
+    forwarded_tokens: int = 0
+
+    def __add__(self, other: BatchSums) -> BatchSums:
+        metric_sums = dict(self.metric_sums)
+        for key, value in other.metric_sums.items():
+            metric_sums[key] = metric_sums.get(key, 0.0) + value
+        return BatchSums(
+            self.loss + other.loss,
+            metric_sums,
+            self.routed_otherwise + other.routed_otherwise,
+            self.routes_recorded + other.routes_recorded,
+            self.forwarded_tokens + other.forwarded_tokens,
+        )
+
+
+@dataclass(frozen=True)
 class OptimStepResult:
     version: int
     """Policy version after the step: 0 = initial weights, +1 per applied step."""
