@@ -20,6 +20,7 @@ from post_training_cookbook.cli.loading import (
 )
 
 if TYPE_CHECKING:
+    from post_training_cookbook.bundled_envs.tau2 import UserSimulatorSettings
     from post_training_cookbook.cli.loading import EnvFactory
     from post_training_cookbook.envs.base import Task
     from post_training_cookbook.evaluation import EvalResult, EvalSettings, HostedModel
@@ -63,13 +64,14 @@ def run_eval(args: argparse.Namespace) -> int:
         raise CliError("--step applies to one MODEL; with --compare, name checkpoint folders")
     settings = _eval_settings(args, config)
     factory, tasks = _eval_inputs(args, env)
+    user = _user_simulator(args)
     codec = args.codec or (config.codec if config else None)
     results: list[EvalResult] = []
     for model in models:
         local = isinstance(model, str)
         coroutine = aevaluate(
             model, tasks, factory, settings, benchmark=args.benchmark, limit=args.limit,
-            codec=codec if local else None, step=args.step if local else None,
+            user_simulator=user, codec=codec if local else None, step=args.step if local else None,
             dtype=args.dtype if local else None, pass_k=args.pass_k, label=args.label,
             runs_dir=None if args.no_save else args.runs_dir, progress=sys.stderr.isatty(),
             device=args.device,
@@ -210,6 +212,28 @@ def _eval_settings(args: argparse.Namespace, config: GRPOConfig | None) -> EvalS
     }
     base = base.with_limits(**{key: value for key, value in limits.items() if value is not None})
     return replace(base, **{key: value for key, value in flags.items() if value is not None})
+
+
+def _user_simulator(args: argparse.Namespace) -> UserSimulatorSettings | None:
+    """τ²'s simulated user from the ``--user-*`` flags (None without ``--user-model``)."""
+    if args.user_model is None:
+        given = [flag for flag, value in _USER_FLAGS.items() if getattr(args, value)]
+        if given:
+            raise CliError(f"the user simulator's {', '.join(given)}: name its --user-model")
+        return None
+    if args.user_no_api_key and args.user_api_key_env:
+        raise CliError("the user simulator's key: --user-no-api-key or --user-api-key-env")
+    from post_training_cookbook.bundled_envs.tau2 import UserSimulatorSettings
+
+    key = None if args.user_no_api_key else args.user_api_key_env or "OPENAI_API_KEY"
+    return UserSimulatorSettings(args.user_model, base_url=args.user_base_url, api_key_env=key)
+
+
+_USER_FLAGS = {
+    "--user-base-url": "user_base_url",
+    "--user-api-key-env": "user_api_key_env",
+    "--user-no-api-key": "user_no_api_key",
+}
 
 
 def _hosted_or_local(model: str, args: argparse.Namespace) -> str | HostedModel:

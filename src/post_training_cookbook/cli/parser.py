@@ -136,7 +136,11 @@ def _add_eval(subparsers: Any) -> None:
         "  %(prog)s runs/x --benchmark bfcl --limit 20\n"
         "  %(prog)s hosted:my-model --base-url http://127.0.0.1:8000/v1 --no-api-key \\\n"
         "      --benchmark bfcl:simple_python,irrelevance\n"
-        "  %(prog)s runs/x --benchmark bfcl_multi_turn:base@held_out",
+        "  %(prog)s runs/x --benchmark bfcl_multi_turn:base@held_out\n"
+        "  %(prog)s runs/x --benchmark tau2:airline@test --episodes-per-task 4 \\\n"
+        "      --user-model Qwen/Qwen3-8B --user-base-url http://127.0.0.1:8001/v1 \\\n"
+        "      --user-no-api-key\n"
+        "  %(prog)s runs/x --benchmark tau2:telecom_solo --limit 20",
     )
     which = parser.add_mutually_exclusive_group()
     which.add_argument(
@@ -161,10 +165,15 @@ def _add_eval(subparsers: Any) -> None:
         help="a published benchmark instead of an env: bfcl (its five single-turn test "
         "categories) or bfcl:simple_python,multiple,... (docs/evaluation.md); "
         "bfcl_multi_turn[:base,miss_func,...][@train|@held_out]: BFCL's multi-turn entries, "
-        "entry and per-turn accuracy (docs/bfcl_multi_turn.md); greedy unless --temperature",
+        "entry and per-turn accuracy (docs/bfcl_multi_turn.md); tau2[:airline,retail,telecom,"
+        "telecom_solo][@SPLIT]: τ²-bench's pass^k per domain, k up to --episodes-per-task "
+        "(docs/tau2.md); greedy unless --temperature",
     )
     parser.add_argument(
-        "--limit", type=_positive, metavar="N", help="with --benchmark: first N items per category"
+        "--limit",
+        type=_positive,
+        metavar="N",
+        help="with --benchmark: first N items per category (tau2: tasks per domain)",
     )
     settings = parser.add_argument_group(
         "settings", "default: --config's validation settings, else GRPOConfig's defaults"
@@ -208,6 +217,18 @@ def _add_eval(subparsers: Any) -> None:
     hosted.add_argument(
         "--max-retries", type=int, default=4, metavar="N", help="retries with backoff (4)"
     )
+    user = parser.add_argument_group(
+        "τ²'s user simulator (--benchmark tau2 with airline, retail or telecom)",
+        "the simulated user's model at an OpenAI-compatible endpoint (docs/tau2.md)",
+    )
+    user.add_argument("--user-model", metavar="NAME", help="the model the endpoint serves")
+    user.add_argument(
+        "--user-base-url", metavar="URL", help="up to /v1 (default $OPENAI_BASE_URL, else OpenAI)"
+    )
+    user.add_argument(
+        "--user-api-key-env", metavar="VAR", help="variable holding its key (OPENAI_API_KEY)"
+    )
+    user.add_argument("--user-no-api-key", action="store_true", help="it takes no API key")
     parser.add_argument("--label", default="eval", help="output folder: eval_LABEL_MODEL_TIME")
     parser.add_argument("--runs-dir", default="runs", metavar="DIR", help="(default: runs)")
     parser.add_argument("--no-save", action="store_true", help="write no output folder")

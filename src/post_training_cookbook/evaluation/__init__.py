@@ -10,8 +10,9 @@
 back (``EvalResult``, pass@k, tables), ``models`` decides what to load, ``hosted`` scores an
 OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``), ``benchmarks``
 plays a published benchmark instead of your env (``evaluate(model, benchmark="bfcl")``,
-its report in ``result.benchmark``; docs/evaluation.md), ``local_judge`` runs a judge model
-for judge rewards (``LocalJudge``, imported on first use).
+its report in ``result.benchmark``; docs/evaluation.md; τ²-bench's pass^k:
+``benchmark="tau2:retail@test", user_simulator=...``, ``tau2_benchmark``, docs/tau2.md),
+``local_judge`` runs a judge model for judge rewards (``LocalJudge``, imported on first use).
 """
 
 from typing import Any

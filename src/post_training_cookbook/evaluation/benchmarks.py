@@ -12,6 +12,12 @@
   evaluation folder gets ``bfcl_results.jsonl``, the calls as BFCL's checker takes them
   (``bundled_envs/bfcl/results_file.py``), which ``scripts/bfcl_rescore.py`` scores with
   ``bfcl-eval`` alone.
+- ``"tau2"`` (or ``"tau2:airline,retail"``, ``"tau2:telecom_solo@small"``: domains among
+  airline, retail, telecom and telecom_solo, ``@SPLIT`` one of τ²'s splits, ``base`` by
+  default): τ²-bench's tasks played by ``Tau2Env``, the user simulated by the model of
+  ``evaluate(..., user_simulator=...)``; the report is τ²'s pass^k per domain, k from 1 to
+  ``episodes_per_task``, each with its standard error over tasks (``tau2_benchmark.py``,
+  docs/tau2.md). The rest of this docstring is BFCL's.
 
 The episodes are played as any env's are, and the report is BFCL's: per category, the share
 of items the checker accepts (``correct / total``, each episode counted), and the overall as
@@ -38,19 +44,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.evaluation.tau2_benchmark import (
+    TAU2,
+    TAU2_LIMITS,
+    check_tau2_spec,
+    score_tau2,
+    tau2_inputs,
+)
 from post_training_cookbook.rollout import Episode, Group, TruncationCause
 
 if TYPE_CHECKING:
     from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem
+    from post_training_cookbook.bundled_envs.tau2.user import UserFactory
 
-BENCHMARKS = ("bfcl", "bfcl_multi_turn")
+BENCHMARKS = ("bfcl", "bfcl_multi_turn", TAU2)
 MULTI_TURN = "bfcl_multi_turn"
 
 
 @dataclass(frozen=True)
 class BenchmarkSpec:
-    """``"bfcl:simple_python,multiple"`` parsed: the benchmark, its categories and, for
-    ``bfcl_multi_turn``, the side of the split (``"all"``, ``"train"``, ``"held_out"``)."""
+    """``"bfcl:simple_python,multiple"`` parsed: the benchmark, its categories (τ²: its
+    domains) and, for ``bfcl_multi_turn``, the side of the split (``"all"``, ``"train"``,
+    ``"held_out"``), for ``tau2`` τ²'s split (``"base"`` unless named)."""
 
     name: str
     categories: tuple[str, ...]
@@ -65,6 +80,8 @@ class BenchmarkSpec:
                 f"unknown benchmark {name!r} (from {spec!r}): choose from {', '.join(BENCHMARKS)}"
             )
         categories = [c.strip() for c in listed.split(",") if c.strip()] if listed else []
+        if name == TAU2:
+            return cls(name, *check_tau2_spec(spec, categories, split))
         if name == MULTI_TURN:
             from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
                 check_multi_turn_categories,
@@ -79,7 +96,9 @@ class BenchmarkSpec:
                 name, check_multi_turn_categories(full or ["multi_turn_base"]), split or "all"
             )
         if split:
-            raise ValueError(f"{spec!r}: only bfcl_multi_turn has a split (@train, @held_out)")
+            raise ValueError(
+                f"{spec!r}: only bfcl_multi_turn has a split (@train, @held_out), and tau2 (τ²'s)"
+            )
         from post_training_cookbook.bundled_envs.bfcl.data import TEST_CATEGORIES, check_categories
 
         return cls(name, check_categories(categories) if listed else TEST_CATEGORIES)
@@ -127,6 +146,11 @@ class BenchmarkScore:
     turn_accuracy: dict[str, float] = field(default_factory=dict)
     turn_standard_error: dict[str, float] = field(default_factory=dict)
     """The per-turn accuracy's standard error, an entry's turns as one cluster."""
+    pass_hat_k: dict[str, dict[int, float]] = field(default_factory=dict)
+    """``tau2``: per domain, τ²'s pass^k for k = 1 .. trials per task (``accuracy`` is pass^1,
+    ``standard_error`` its standard error over tasks)."""
+    pass_hat_k_standard_error: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per domain and k, the standard error of pass^k over tasks (sample sd / sqrt(tasks))."""
 
 
 MULTI_TURN_LIMITS = {"max_turns": 200, "max_model_length": 16384, "max_tokens_per_turn": 256}
@@ -137,13 +161,20 @@ held-out prompts run to 8k tokens before any tool result."""
 
 def benchmark_limits(spec: BenchmarkSpec) -> dict[str, int]:
     """The episode limits ``spec``'s benchmark is scored under by default (none: the usual)."""
-    return dict(MULTI_TURN_LIMITS) if spec.name == MULTI_TURN else {}
+    defaults = {MULTI_TURN: MULTI_TURN_LIMITS, TAU2: TAU2_LIMITS}
+    return dict(defaults.get(spec.name, {}))
 
 
 def benchmark_inputs(
-    spec: BenchmarkSpec, limit: int | None
+    spec: BenchmarkSpec, limit: int | None, user_simulator: UserFactory | None = None
 ) -> tuple[list[Task], Callable[[Task], Env]]:
-    """The tasks and the env factory that play ``spec``; ``limit``: first N per category."""
+    """The tasks and the env factory that play ``spec``; ``limit``: first N per category;
+    ``user_simulator``: τ²'s simulated user (a ``tau2`` spec's domains with a user need one,
+    and no other benchmark takes one)."""
+    if spec.name == TAU2:
+        return tau2_inputs(spec, limit, user_simulator)
+    if user_simulator is not None:
+        raise ValueError(f"user_simulator is τ²'s simulated user; {str(spec)!r} has none")
     if spec.name == MULTI_TURN:
         from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import bfcl_multi_turn_tasks
         from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
@@ -159,7 +190,10 @@ def benchmark_inputs(
 def score_benchmark(
     spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None
 ) -> BenchmarkScore:
-    """BFCL's per-category accuracy and overall of the played groups."""
+    """The benchmark's report of the played groups: BFCL's per-category accuracy and overall,
+    τ²'s pass^k per domain."""
+    if spec.name == TAU2:
+        return score_tau2(spec, groups, limit)
     if spec.name == MULTI_TURN:
         return _score_multi_turn(spec, groups, limit)
     from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from post_training_cookbook.rollout import (
     EpisodeLimits,
@@ -238,6 +238,16 @@ def format_result(result: EvalResult) -> str:
     return format_comparison([result])
 
 
+class Estimate(NamedTuple):
+    """A table's number with its standard error, printed ``0.400 ± 0.100``."""
+
+    value: float
+    standard_error: float
+
+
+Cell = float | Estimate | None
+
+
 def format_comparison(results: Sequence[EvalResult]) -> str:
     """Results side by side, one column each; with two, a third column B − A."""
     heads = [f"{chr(ord('A') + i)}: {r.model_name}" for i, r in enumerate(results)]
@@ -247,11 +257,14 @@ def format_comparison(results: Sequence[EvalResult]) -> str:
         heads.append("B − A")
         rows = [(name, [*values, _delta(values)]) for name, values in rows]
     width = max(len(name) for name, _ in rows)
+    table = [
+        (name, [_cell(value, delta=with_delta and i == 2) for i, value in enumerate(values)])
+        for name, values in rows
+    ]
     columns = [max(len(head), 8) for head in heads]
+    columns = [max(size, *(len(cells[i]) for _, cells in table)) for i, size in enumerate(columns)]
     lines = [_settings_line(results), _line("", heads, width, columns)]
-    for name, values in rows:
-        cells = [_cell(value, delta=with_delta and i == 2) for i, value in enumerate(values)]
-        lines.append(_line(name, cells, width, columns))
+    lines += [_line(name, cells, width, columns) for name, cells in table]
     lines += _notes(results)
     return "\n".join(lines)
 
@@ -261,8 +274,8 @@ def _line(name: str, cells: Sequence[str], width: int, columns: Sequence[int]) -
     return name.ljust(width) + "  " + "  ".join(padded)
 
 
-def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]:
-    def row(name: str, get: Any) -> tuple[str, list[float | None]]:
+def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[Cell]]]:
+    def row(name: str, get: Any) -> tuple[str, list[Cell]]:
         return name, [get(result) for result in results]
 
     ks = sorted({k for result in results for k in result.pass_at_k})
@@ -271,7 +284,12 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
     rows += [row(f"pass@{k}", lambda r, k=k: r.pass_at_k.get(k)) for k in ks]
     for level in levels:
         rows.append(row(f"level {level}: reward", lambda r, lv=level: _level_reward(r, lv)))
-    categories = {c: None for r in results if r.benchmark for c in r.benchmark.accuracy}
+    if any(r.benchmark and r.benchmark.pass_hat_k for r in results):
+        rows += _tau2_rows(results)
+    categories = {
+        c: None for r in results if r.benchmark and not r.benchmark.pass_hat_k
+        for c in r.benchmark.accuracy
+    }  # fmt: skip
     for category in categories:
         rows.append(row(f"bfcl {category}", lambda r, c=category: _accuracy(r, c)))
         if any(r.benchmark and category in r.benchmark.turn_accuracy for r in results):
@@ -293,6 +311,28 @@ def _rows(results: Sequence[EvalResult]) -> list[tuple[str, list[float | None]]]
     return rows
 
 
+def _tau2_rows(results: Sequence[EvalResult]) -> list[tuple[str, list[Cell]]]:
+    """τ²'s pass^k of each domain, ± its standard error over tasks; the mean of the domains'
+    pass^1 when there are several."""
+    scores = [r.benchmark if r.benchmark and r.benchmark.pass_hat_k else None for r in results]
+    domains = {d: None for score in scores if score for d in score.pass_hat_k}
+    rows: list[tuple[str, list[Cell]]] = []
+    for domain in domains:
+        ks = sorted({k for score in scores if score for k in score.pass_hat_k.get(domain, {})})
+        for k in ks:
+            rows.append((f"tau2 {domain} pass^{k}", [_pass_hat(s, domain, k) for s in scores]))
+    if len(domains) > 1:
+        rows.append(("tau2 overall pass^1", [s.overall if s else None for s in scores]))
+    return rows
+
+
+def _pass_hat(score: BenchmarkScore | None, domain: str, k: int) -> Estimate | None:
+    if score is None or k not in score.pass_hat_k.get(domain, {}):
+        return None
+    error = score.pass_hat_k_standard_error[domain][k]
+    return Estimate(score.pass_hat_k[domain][k], error)
+
+
 def _level_reward(result: EvalResult, level: str) -> float | None:
     found = result.per_level.get(level)
     return found.reward_mean if found else None
@@ -312,14 +352,16 @@ def _turns(result: EvalResult, category: str) -> float | None:
     return result.benchmark.turn_accuracy.get(category) if result.benchmark else None
 
 
-def _delta(values: list[float | None]) -> float | None:
-    first, second = values
+def _delta(values: list[Cell]) -> float | None:
+    first, second = (value.value if isinstance(value, Estimate) else value for value in values)
     return None if first is None or second is None else second - first
 
 
-def _cell(value: float | None, *, delta: bool) -> str:
+def _cell(value: Cell, *, delta: bool) -> str:
     if value is None:
         return "-"
+    if isinstance(value, Estimate):
+        return f"{value.value:.3f} ± {value.standard_error:.3f}"
     return f"{value:+.3f}" if delta else f"{value:.3f}"
 
 
@@ -350,6 +392,8 @@ def _notes(results: Sequence[EvalResult]) -> list[str]:
                 f"NOTE: {letter} is a hosted model: its tokens are its endpoint's, not ours, so "
                 "its token counts (and max_model_length, held in them) do not compare"
             )
+    if any(r.benchmark and r.benchmark.pass_hat_k for r in results):
+        notes.append("NOTE: τ²'s pass^k per domain, ± its standard error over tasks")
     for letter, result in zip("ABCDEFGH", results, strict=False):
         where = f" → {result.output_dir}" if result.output_dir else ""
         notes.append(f"{letter}: {result.model}{where}")

