@@ -15,7 +15,9 @@ Content-Length, else as it streams in); a body slower than ``body_timeout_s`` ge
 headers slower than ``header_timeout_s`` close the connection; decoding, checking and
 tokenizing a request run off the event loop, so a large one does not hold the others up;
 more than ``max_concurrent_requests`` completions in
-flight get 429 ``server_busy`` (the ``openai`` client retries those with backoff). Auth: the
+flight get 429 ``server_busy`` (the ``openai`` client retries those with backoff); a chat
+completion whose client disconnects before it is sampled stops sampling, and its slot frees
+once it has (it would otherwise sample on, holding the slot, for nobody). Auth: the
 served model's routes need ``Authorization: Bearer <token>`` when the server has a token
 (it must have one when bound off loopback, see ``server.py``); an episode's routes need that
 episode's own key, so that one agent cannot write into another's episode. The key is checked
@@ -37,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from post_training_cookbook.serve.policy import Endpoint
+from post_training_cookbook.serve.policy import ClientGone, Endpoint
 from post_training_cookbook.serve.prompt_scores import parse_prompt_score_request, score_prompts
 from post_training_cookbook.serve.wire import (
     ApiError,
@@ -162,7 +164,11 @@ async def _answer(request: Request, routes: Routes, find: Any, *, scores: bool =
                 return JSONResponse(await score_prompts(endpoint.model, asked))
             # off the event loop: a 4 MB body takes a while to decode and check
             chat = await asyncio.to_thread(_parsed, raw, limits.max_n)
-            answer = await endpoint.complete(chat)
+            client_gone = asyncio.ensure_future(_disconnected(request))
+            try:
+                answer = await endpoint.complete(chat, client_gone)
+            finally:
+                client_gone.cancel()
             if chat.stream:  # computed whole, sent as the events a streaming client reads
                 events = stream_chunks(answer, include_usage=chat.include_usage)
                 return Response(events, media_type="text/event-stream")
@@ -171,9 +177,18 @@ async def _answer(request: Request, routes: Routes, find: Any, *, scores: bool =
             routes.in_flight -= 1
     except ApiError as error:
         return JSONResponse(error.body(), status_code=error.status)
+    except ClientGone:  # nobody reads this answer: 499, as nginx logs a client that left
+        return Response(status_code=499)
     except Exception:
         log.exception("chat completion failed")
         return JSONResponse(error_body("internal server error", kind="server_error"), 500)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (its body is read by then, so the
+    next message the server has for this request is ``http.disconnect``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _parsed(raw: bytes, max_n: int) -> ChatRequest:

@@ -8,7 +8,8 @@
    ``context_length_exceeded``; ``max_tokens`` is cut to the room left;
 3. sample ``n`` completions with the codec's stop tokens (a ``stop`` string that is one token
    joins them; a longer one cuts the completion after the token that completes it: the kept
-   tokens are still exactly the sampled ones);
+   tokens are still exactly the sampled ones); a client that leaves meanwhile cancels them
+   (``ClientGone``: the engine drops their rows);
 4. parse each with the codec (tool calls with fresh ids and JSON-string arguments); a
    completion that does not parse is answered as its text, without tool calls;
 5. remember each completion for the conversation it ends, and answer in the API's format:
@@ -21,8 +22,9 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.rollout.types import Sampler, token_versions
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
     from post_training_cookbook.trainer.scoring import TokenScorer
 
 FinishReason = Literal["stop", "length", "tool_calls"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -70,10 +73,14 @@ class Endpoint:
     model: ServedModel
     store: ConversationStore = field(default_factory=ConversationStore)
 
-    async def complete(self, request: ChatRequest) -> dict[str, Any]:
+    async def complete(
+        self, request: ChatRequest, client_gone: asyncio.Future[None] | None = None
+    ) -> dict[str, Any]:
+        """The answer to ``request``; ``ClientGone`` when ``client_gone`` is done before the
+        sampling is (the client left: its samples are dropped from the batch)."""
         # rendering and tokenizing off the event loop: a long prompt takes a while
         plan, params = await asyncio.to_thread(self._planned, request)
-        sequences = await self.sample(plan.tokens, request.n, params)
+        sequences = await unless_gone(self.sample(plan.tokens, request.n, params), client_gone)
         completions = [self._completion(sequence, request.stop) for sequence in sequences]
         turns = self.served(request, plan, completions)
         for completion, turn in zip(completions, turns, strict=True):
@@ -184,6 +191,28 @@ class Endpoint:
             entry = {"token": text, "logprob": logprob, "bytes": list(text.encode())}
             entries.append({**entry, "top_logprobs": []})
         return entries
+
+
+class ClientGone(Exception):
+    """The client left before its completion was sampled; the sampling was cancelled."""
+
+
+async def unless_gone(sampling: Awaitable[T], gone: asyncio.Future[None] | None) -> T:
+    """``sampling``'s result, or ``ClientGone`` once ``gone`` is done first: the sampling is
+    then cancelled and has stopped when this returns."""
+    if gone is None:
+        return await sampling
+    task = asyncio.ensure_future(sampling)
+    either: list[asyncio.Future[Any]] = [task, gone]
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this coroutine is cancelled itself (the server stops)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 def _cut_at_stop(
