@@ -10,18 +10,15 @@
 back (``EvalResult``, pass@k, tables), ``models`` decides what to load, ``hosted`` scores an
 OpenAI-compatible endpoint (``evaluate(HostedModel(name, base_url), ...)``), ``benchmarks``
 plays a published benchmark instead of your env (``evaluate(model, benchmark="bfcl")``,
-its report in ``result.benchmark``; docs/evaluation.md; τ²-bench's pass^k:
-``benchmark="tau2:retail@test", user_simulator=...``, ``tau2_benchmark``, docs/tau2.md),
+its report in ``result.benchmark``, a ``scores.BenchmarkScore``; docs/evaluation.md;
+τ²-bench's pass^k: ``benchmark="tau2:retail@test", user_simulator=...``, ``tau2_benchmark``,
+docs/tau2.md),
 ``local_judge`` runs a judge model for judge rewards (``LocalJudge``, imported on first use).
 """
 
 from typing import Any
 
-from post_training_cookbook.evaluation.benchmarks import (
-    BenchmarkScore,
-    BenchmarkSpec,
-    CategoryScore,
-)
+from post_training_cookbook.evaluation.benchmarks import BenchmarkSpec
 from post_training_cookbook.evaluation.hosted import HostedEndpointError, HostedModel
 from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
 from post_training_cookbook.evaluation.results import (
@@ -34,6 +31,7 @@ from post_training_cookbook.evaluation.results import (
     pass_at_k,
 )
 from post_training_cookbook.evaluation.runner import aevaluate, evaluate
+from post_training_cookbook.evaluation.scores import BenchmarkScore, CategoryScore
 
 __all__ = [
     "BenchmarkScore",

@@ -39,11 +39,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.evaluation.scores import BenchmarkScore, CategoryScore
 from post_training_cookbook.evaluation.tau2_benchmark import (
     TAU2,
     TAU2_LIMITS,
@@ -108,51 +109,6 @@ class BenchmarkSpec:
         return listed if self.split == "all" else f"{listed}@{self.split}"
 
 
-@dataclass(frozen=True)
-class CategoryScore:
-    correct: int
-    """Episodes whose reply the checker accepted."""
-    total: int
-
-    @property
-    def accuracy(self) -> float:
-        return self.correct / self.total if self.total else 0.0
-
-
-@dataclass(frozen=True)
-class BenchmarkScore:
-    """A benchmark's report: per category and overall, as the benchmark computes them."""
-
-    benchmark: str
-    """The spec scored, e.g. ``bfcl:simple_python,multiple``."""
-    version: str
-    """The benchmark package's version (``bfcl-eval``'s)."""
-    limit: int | None
-    """Items per category, when only the first ones were scored."""
-    per_category: dict[str, CategoryScore]
-    accuracy: dict[str, float]
-    """``correct / total`` per category."""
-    overall: float
-    """The unweighted mean of the categories' accuracies (BFCL's summary rule)."""
-    standard_error: dict[str, float] = field(default_factory=dict)
-    """The accuracy's binomial standard error per category."""
-    prefix_turns: dict[str, CategoryScore] = field(default_factory=dict)
-    """``bfcl_multi_turn``: turns before each entry's first failing turn / all turns."""
-    prefix_turn_accuracy: dict[str, float] = field(default_factory=dict)
-    prefix_turn_standard_error: dict[str, float] = field(default_factory=dict)
-    """The prefix turn accuracy's standard error, an entry's turns as one cluster."""
-    turns: dict[str, CategoryScore] = field(default_factory=dict)
-    """``bfcl_multi_turn``, ours: turns passing our per-turn check / all turns."""
-    turn_accuracy: dict[str, float] = field(default_factory=dict)
-    turn_standard_error: dict[str, float] = field(default_factory=dict)
-    """The per-turn accuracy's standard error, an entry's turns as one cluster."""
-    pass_hat_k: dict[str, dict[int, float]] = field(default_factory=dict)
-    """``tau2``: per domain, τ²'s pass^k for k = 1 .. trials per task (``accuracy`` is pass^1,
-    ``standard_error`` its standard error over tasks)."""
-    pass_hat_k_standard_error: dict[str, dict[int, float]] = field(default_factory=dict)
-    """Per domain and k, the standard error of pass^k over tasks (sample sd / sqrt(tasks))."""
-
-
 MULTI_TURN_LIMITS = {"max_turns": 200, "max_model_length": 16384, "max_tokens_per_turn": 256}
 """The episode limits a ``bfcl_multi_turn`` score uses unless told otherwise: BFCL bounds a
 user turn (21 replies with calls, the env's ``max_steps_per_turn``), not an episode, and its
@@ -172,7 +128,7 @@ def benchmark_inputs(
     ``user_simulator``: τ²'s simulated user (a ``tau2`` spec's domains with a user need one,
     and no other benchmark takes one)."""
     if spec.name == TAU2:
-        return tau2_inputs(spec, limit, user_simulator)
+        return tau2_inputs(spec.categories, spec.split, str(spec), limit, user_simulator)
     if user_simulator is not None:
         raise ValueError(f"user_simulator is τ²'s simulated user; {str(spec)!r} has none")
     if spec.name == MULTI_TURN:
@@ -193,7 +149,7 @@ def score_benchmark(
     """The benchmark's report of the played groups: BFCL's per-category accuracy and overall,
     τ²'s pass^k per domain."""
     if spec.name == TAU2:
-        return score_tau2(spec, groups, limit)
+        return score_tau2(spec.categories, str(spec), groups, limit)
     if spec.name == MULTI_TURN:
         return _score_multi_turn(spec, groups, limit)
     from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem

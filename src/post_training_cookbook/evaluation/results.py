@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from post_training_cookbook.evaluation.scores import BenchmarkScore
 from post_training_cookbook.rollout import (
     EpisodeLimits,
     Group,
@@ -34,7 +35,6 @@ from post_training_cookbook.rollout import (
 
 if TYPE_CHECKING:
     from post_training_cookbook.engine.rows import EngineStats  # torch: not for a summary's reader
-    from post_training_cookbook.evaluation.benchmarks import BenchmarkScore
 
 LENGTH_CAPPED_WARNING = 0.2
 """Above this ``eval/length_capped``, the printed table warns that truncation dominates."""

@@ -30,11 +30,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.evaluation.scores import BenchmarkScore, CategoryScore
 from post_training_cookbook.rollout import Episode, Group
 
 if TYPE_CHECKING:
     from post_training_cookbook.bundled_envs.tau2.user import UserFactory
-    from post_training_cookbook.evaluation.benchmarks import BenchmarkScore, BenchmarkSpec
 
 TAU2 = "tau2"
 SOLO = "telecom_solo"
@@ -73,25 +73,26 @@ def check_tau2_spec(spec: str, domains: Sequence[str], split: str) -> tuple[tupl
 
 
 def tau2_inputs(
-    spec: BenchmarkSpec, limit: int | None, user: UserFactory | None
+    domains: Sequence[str], split: str, spec: str, limit: int | None, user: UserFactory | None
 ) -> tuple[list[Task], Callable[[Task], Env]]:
     """The tasks (the first ``limit`` of each domain's split) and the env factory of a τ²
-    spec; ``ValueError`` when the user simulator is missing or has no domain to play."""
+    spec (``spec``: as written, for errors); ``ValueError`` when the user simulator is
+    missing or has no domain to play."""
     from post_training_cookbook.bundled_envs.tau2 import Tau2Env, tau2_tasks
 
-    with_user = [domain for domain in spec.categories if domain != SOLO]
+    with_user = [domain for domain in domains if domain != SOLO]
     if with_user and user is None:
         raise ValueError(
-            f"benchmark {str(spec)!r}: {', '.join(with_user)} need(s) τ²'s user simulator: pass "
+            f"benchmark {spec!r}: {', '.join(with_user)} need(s) τ²'s user simulator: pass "
             "user_simulator=UserSimulatorSettings(model=..., base_url=...) (CLI: --user-model, "
             "--user-base-url), or score tau2:telecom_solo, which has no user"
         )
     if not with_user and user is not None:
-        raise ValueError(f"benchmark {str(spec)!r} has no user: drop user_simulator")
+        raise ValueError(f"benchmark {spec!r} has no user: drop user_simulator")
     tasks = [
         task
-        for domain in spec.categories
-        for task in tau2_tasks(_tau2_domain(domain), spec.split, solo=domain == SOLO, limit=limit)
+        for domain in domains
+        for task in tau2_tasks(_tau2_domain(domain), split, solo=domain == SOLO, limit=limit)
     ]
 
     def env_factory(task: Task) -> Env:
@@ -100,12 +101,14 @@ def tau2_inputs(
     return tasks, env_factory
 
 
-def score_tau2(spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None) -> BenchmarkScore:
-    """τ²'s pass^k per domain, with standard errors over tasks (the module's docstring)."""
+def score_tau2(
+    domains: Sequence[str], spec: str, groups: Sequence[Group], limit: int | None
+) -> BenchmarkScore:
+    """τ²'s pass^k per domain (``spec``: the spec scored, as written), with standard errors
+    over tasks (the module's docstring)."""
     from post_training_cookbook.bundled_envs.tau2.package import tau2
-    from post_training_cookbook.evaluation.benchmarks import BenchmarkScore, CategoryScore
 
-    successes: dict[str, list[list[bool]]] = {domain: [] for domain in spec.categories}
+    successes: dict[str, list[list[bool]]] = {domain: [] for domain in domains}
     for group in groups:
         successes[_domain_of(group.task)].append([tau2_success(e) for e in group.episodes])
     pass_hat = {domain: tasks_pass_hat_k(trials) for domain, trials in successes.items()}
@@ -113,9 +116,9 @@ def score_tau2(spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None) 
     errors = {
         d: {k: standard_error(values) for k, values in ks.items()} for d, ks in pass_hat.items()
     }
-    accuracy = {domain: means[domain].get(1, 0.0) for domain in spec.categories}
+    accuracy = {domain: means[domain].get(1, 0.0) for domain in domains}
     return BenchmarkScore(
-        benchmark=str(spec),
+        benchmark=spec,
         version=tau2().version,
         limit=limit,
         per_category={
@@ -124,7 +127,7 @@ def score_tau2(spec: BenchmarkSpec, groups: Sequence[Group], limit: int | None) 
         },
         accuracy=accuracy,
         overall=_mean(list(accuracy.values())),
-        standard_error={domain: errors[domain].get(1, 0.0) for domain in spec.categories},
+        standard_error={domain: errors[domain].get(1, 0.0) for domain in domains},
         pass_hat_k=means,
         pass_hat_k_standard_error=errors,
     )
