@@ -76,14 +76,19 @@ def test_decode_attention_matches_a_float64_reference(
 
 
 def test_decode_attention_rejects_mismatched_inputs_with_a_message(kernels: NativeKernels) -> None:
+    """Refused by the Python guards (a named error); the library's own checks stay behind them."""
     keys = torch.zeros(2, 2, 8, 16)
     valid = torch.ones(2, 8, dtype=torch.bool)
-    with pytest.raises(RuntimeError, match="share a dtype"):
-        kernels.decode_attention(
-            torch.zeros(2, 2, 1, 16, dtype=torch.bfloat16), keys, keys, valid, 0, 8, 0.25
-        )
-    with pytest.raises(RuntimeError, match="out of range"):
+    bf16_query = torch.zeros(2, 2, 1, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="keys must be bfloat16, got float32"):
+        kernels.decode_attention(bf16_query, keys, keys, valid, 0, 8, 0.25)
+    with pytest.raises(ValueError, match=r"columns \[lo, hi\) = \[0, 9\) out of range"):
         kernels.decode_attention(torch.zeros(2, 2, 1, 16), keys, keys, valid, 0, 9, 0.25)
+    raw = kernels.raw  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        raw.decode_attention(bf16_query, keys, keys, valid, 0, 8, 0.25)
+    with pytest.raises(RuntimeError, match="out of range"):
+        raw.decode_attention(torch.zeros(2, 2, 1, 16), keys, keys, valid, 0, 9, 0.25)
 
 
 def test_a_kernel_call_lets_other_python_threads_run(kernels: NativeKernels) -> None:
@@ -323,6 +328,7 @@ def test_a_failed_build_warns_once_and_falls_back(
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(native, "_SOURCE", broken)
     monkeypatch.delenv(native.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(native.SANITIZE_ENV, raising=False)  # a sanitizer build raises instead
     with caplog.at_level(logging.WARNING, logger=native.__name__):
         assert native_kernels() is None
         assert native_kernels() is None  # remembered: no second attempt, no second warning

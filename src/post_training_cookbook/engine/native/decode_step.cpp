@@ -291,10 +291,11 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys,
   TORCH_CHECK(keys.size(0) >= query.size(0) && keys.size(1) == query.size(1) &&
                   keys.size(3) == query.size(3),
               "keys do not match the query's rows, KV heads or head size");
-  TORCH_CHECK(keys.stride(3) == 1 && values.stride(3) == 1,
+  // A unit stride where the size is over 1 (torch gives a size-1 dim any stride).
+  TORCH_CHECK(keys.size(3) <= 1 || (keys.stride(3) == 1 && values.stride(3) == 1),
               "keys and values need a unit stride in dim");
-  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 2 && valid.stride(1) == 1 &&
-                  valid.size(0) >= query.size(0),
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 2 &&
+                  (valid.size(1) <= 1 || valid.stride(1) == 1) && valid.size(0) >= query.size(0),
               "valid must be a bool [rows, cols] tensor with unit column stride");
   TORCH_CHECK(0 <= lo && lo <= hi && hi <= keys.size(2) && hi <= valid.size(1),
               "columns [lo, hi) out of range");
