@@ -154,13 +154,21 @@ def _convolve(conv: Any, state: torch.Tensor, new: torch.Tensor) -> torch.Tensor
     It computes kernel-major, ``[rows, kernel, conv_dim]``: the engine's conv states and (after
     ``install``) the conv weight are stored so, which makes this a few whole-row
     multiply-adds; summed over a last axis of ``kernel`` columns it ran 2-4x slower
-    (docs/performance.md)."""
+    (docs/performance.md).
+
+    Products, sum and bias are float32, rounded to the model's dtype once, as Hugging Face's
+    ``conv1d`` (and ``decode_step.cpp``) round them: in bfloat16, rounding each product and
+    then the bias sum changed a third of the outputs by an ulp, which the recurrent state
+    carried on (the native step then differed from this one by up to 0.39 of the logits'
+    scale on random tiny hybrids, tests/test_native_parity.py; 0.003 after)."""
     columns = state.transpose(1, 2)
     window = torch.cat([columns[:, 1:], new[:, None].to(columns.dtype)], dim=1)
     columns.copy_(window)
     weight = conv.weight[:, 0, :].t()  # [kernel, conv_dim]
-    out = (window.to(weight.dtype) * weight).sum(1)
-    return F.silu(out if conv.bias is None else out + conv.bias)
+    out = (window.float() * weight.float()).sum(1)
+    if conv.bias is not None:
+        out = out + conv.bias.float()
+    return F.silu(out.to(weight.dtype))
 
 
 def _delta_rule(
