@@ -687,13 +687,13 @@ def _delta_overlap(rng: random.Random, case: Case) -> bool:
     if a["state"].numel() == 0 or a["projected"].dtype != torch.float32:
         return False
     change = rng.choice(["state over conv_state", "conv_state over projected", "state over a_log"])
-    if change == "state over conv_state":
-        whole = torch.zeros(a["state"].numel() + a["conv_state"].numel() // 2 + 1)
-        a["state"] = whole[: a["state"].numel()].view(a["state"].shape)
-        start = max(0, a["state"].numel() - a["conv_state"].numel() // 2 - 1)
-        a["conv_state"] = whole[start : start + a["conv_state"].numel()].view(a["conv_state"].shape)
-        if a["conv_state"].numel() == 0:
+    if change == "state over conv_state":  # their last and first elements shared
+        size, conv_size = a["state"].numel(), a["conv_state"].numel()
+        if conv_size == 0:
             return False
+        whole = torch.zeros(size + conv_size - 1)
+        a["state"] = whole[:size].view(a["state"].shape)
+        a["conv_state"] = whole[size - 1 :].view(a["conv_state"].shape)
     elif change == "conv_state over projected":
         if a["conv_state"].numel() == 0 or a["projected"].numel() == 0:
             return False
