@@ -9,7 +9,7 @@
 #     odd calls per kernel) and the parity run (tests/test_native_parity.py, PARITY_CASES
 #     random models per architecture and dtype, whose schedules add and drop rows mid-decode);
 # and prints the counts: cases run clean, refused with a named error, sanitizer reports.
-#   bash scripts/native_sanitize.sh                  (~25 min on 2 busy cores)
+#   nice -n 19 bash scripts/native_sanitize.sh       (26 min on 2 cores shared with another job)
 #   FUZZ_CASES=300 PARITY_CASES=3 bash scripts/native_sanitize.sh   (a quick look)
 # Exit status 0 only when every test passed and the sanitizers reported nothing.
 set -euo pipefail
