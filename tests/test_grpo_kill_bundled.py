@@ -117,11 +117,14 @@ def test_a_run_killed_mid_step_resumes_with_no_episode_lost_or_repeated(tmp_path
     # the restored weights and seeds, nothing of it kept, nothing of the steps before redone
     assert resumed == uninterrupted
     assert all(len(step) >= 4 for step in resumed)  # at least one group a step
-    # and every step took the uninterrupted run's optimizer step (up to the order in which
-    # a step's episodes finished, which changes the order of a sum: the loss is ~1e-7 a step)
-    for key in ("loss/loss", "optim/grad_norm"):
+    # and every step took the uninterrupted run's optimizer step. Two runs of the same
+    # episodes differ a little: on an AVX-512 CPU the near-zero loss (~1e-4) moved by up to
+    # 4e-5 and the gradient norm by 0.2% (likely the sampler's log-probabilities of the same
+    # tokens, which depend on which rows the engine decoded together, i.e. on timing); a lost
+    # or repeated step trains on other episodes and moves the gradient norm by far more
+    for key, tolerance in (("loss/loss", {"abs": 1.5e-4}), ("optim/grad_norm", {"rel": 1e-2})):
         assert [line[key] for line in read_jsonl(run_dir / "metrics.jsonl")] == pytest.approx(
-            [line[key] for line in read_jsonl(reference / "metrics.jsonl")], rel=1e-3, abs=1e-6
+            [line[key] for line in read_jsonl(reference / "metrics.jsonl")], **tolerance
         )
 
 
