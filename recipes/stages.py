@@ -12,6 +12,7 @@ and the one being scored. ``OUT/summary.json`` collects every stage's dict.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -42,6 +43,7 @@ def machine() -> dict:
     }
 
 
+@functools.cache  # once a process: the stage's guard and its JSON read the same number
 def bf16_speedup(rows: int = 512, width: int = 896, out: int = 4864) -> float:
     """How many times faster this CPU multiplies in bf16 than in fp32, one thread, a 0.5B
     model's MLP shape (~1 s). Above 1 where AMX or AVX512-BF16 runs bf16 natively; ~0.1 on
