@@ -102,6 +102,25 @@ def test_an_unfinished_sft_run_is_carried_whole_and_resumes_where_it_stopped(
     assert not (docs / "sft_checkpoint").exists()
 
 
+def test_rfts_kept_samples_are_carried_gzipped_and_restored_as_they_were(tmp_path):
+    out, docs, again = tmp_path / "out", tmp_path / "docs", tmp_path / "again"
+    out.mkdir()
+    lines = "".join(
+        json.dumps({"messages": [{"role": "user", "content": "x" * i}]}) + "\n" for i in range(50)
+    )
+    (out / "rft_demos_part3.jsonl").write_text(lines)
+    (out / "rft_samples_part3.json").write_text("{}")
+    carry.save(out, docs)
+    carried = docs / "rft_demos" / "rft_demos_part3.jsonl.gz"
+    assert carried.stat().st_size < len(lines) / 4
+    first = carried.read_bytes()
+    carry.save(out, docs)  # saved again unchanged: the same bytes, nothing for git to see
+    assert carried.read_bytes() == first
+    carry.restore(docs, again)
+    assert (again / "rft_demos_part3.jsonl").read_text() == lines
+    assert (again / "rft_samples_part3.json").exists()
+
+
 def test_new_token_rows_start_as_the_mean_of_the_rows_of_their_text(tiny_llama_dir, tmp_path):
     from qwen_coder import init_token_rows, token_halves
     from transformers import AutoTokenizer

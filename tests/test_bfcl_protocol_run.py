@@ -47,6 +47,53 @@ def test_the_parts_hold_every_held_out_entry_once_with_whole_backend_groups(reci
         assert keys == sorted(keys)
 
 
+def test_the_train_parts_hold_every_train_entry_once_with_whole_scenarios(recipe):
+    parts = [recipe.train_part(part) for part in range(1, recipe.TRAIN_PARTS + 1)]
+    ids = [entry.id for part in parts for entry in part]
+    train = {e.id for c in recipe.CATEGORIES for e in recipe.train_entries(c)}
+    assert len(ids) == len(set(ids)) == len(train) == 204 and set(ids) == train
+    scenarios = [{(e.involved_classes, e.scenario) for e in part} for part in parts]
+    assert all(not a & b for i, a in enumerate(scenarios) for b in scenarios[i + 1 :])
+    assert all(0.5 < len(part) * recipe.TRAIN_PARTS / 204 < 1.5 for part in parts)
+
+
+def test_cutting_the_train_entries_left_the_held_out_parts_as_they_were_scored(recipe):
+    """Parts 1-5 of (c) were scored before ``in_parts`` took a unit: the same entries, in the
+    same order (the committed stage files list them in play order)."""
+    run = Path(__file__).parents[1] / "docs" / "runs" / "bfcl_multi_turn" / "run2"
+    for part in range(1, 6):
+        scored = json.loads((run / f"eval_sft_part{part}.json").read_text())["per_entry"]
+        assert [entry.id for entry in recipe.held_out_part(part)] == list(scored)
+
+
+def test_grpo_starts_from_the_model_with_the_higher_pooled_train_score(recipe, tmp_path):
+    def stage(name: str, part: int, prefix: list[int]) -> None:
+        per_entry = {
+            f"e{part}": {"turns": 4, "prefix_turns": prefix, "valid": [p == 4 for p in prefix]}
+        }
+        (tmp_path / f"{name}_part{part}.json").write_text(json.dumps({"per_entry": per_entry}))
+
+    for part in range(1, recipe.TRAIN_PARTS + 1):
+        # (c) better on the first part, (d) better pooled over all of them
+        stage("rft_samples", part, [4, 4, 4] if part == 1 else [0, 0, 1])
+        stage("train_score_rft", part, [0, 0, 0] if part == 1 else [1, 1, 1])
+    assert recipe.grpo_start(tmp_path) == str(tmp_path / "rft" / "final_model")
+    (tmp_path / "train_score_rft_part2.json").unlink()
+    with pytest.raises(SystemExit, match=r"train_score_rft_part2\.json is missing"):
+        recipe.grpo_start(tmp_path)
+
+
+def test_the_train_score_pools_every_sampled_turn(recipe):
+    rows = {
+        "a": {"turns": 2, "prefix_turns": [2, 0, 1], "valid": [True, False, False]},
+        "b": {"turns": 4, "prefix_turns": [4, 4, 0], "valid": [True, True, False]},
+    }
+    score = recipe.train_score(rows)
+    assert score["prefix_turn_accuracy"] == pytest.approx((3 + 8) / (6 + 12))
+    assert score["entry_accuracy"] == pytest.approx(3 / 6)
+    assert (score["turns_sampled"], score["samples"]) == (18, 6)
+
+
 def test_training_stages_sample_train_entries_only(recipe, monkeypatch):
     """``train_tasks`` (GRPO) and RFT's samples read ``train_entries``; with the prompt bound
     lifted, those are the train split's entries."""

@@ -5,11 +5,12 @@ one working session here, and only what is committed outlives one.
     python recipes/bfcl/carry.py restore docs/runs/bfcl_multi_turn/run1 OUT
 
 ``save`` copies into the docs folder what the run cannot rebuild cheaply: every finished
-stage's JSON; every evaluation folder's ``bfcl_results.jsonl``; a finished SFT stage's config,
-metrics and adapter (the newest checkpoint's trainable weights and ``trainer_state.json``, not
-its optimizer state); and for each GRPO run, and an SFT run that has not finished, its config,
-metrics and newest checkpoint, whole (optimizer and RNG states included, 53-62 MB at LoRA rank
-8), so that resuming it is exact. ``restore`` rebuilds ``OUT`` from them: the stage
+stage's JSON; every evaluation folder's ``bfcl_results.jsonl``; RFT's kept samples
+(``RFT_DEMOS``); a finished SFT stage's config, metrics and adapter (the newest checkpoint's
+trainable weights and ``trainer_state.json``, not its optimizer state); and for each GRPO run,
+and an SFT run that has not finished, its config, metrics and newest checkpoint, whole
+(optimizer and RNG states included, 53-62 MB at LoRA rank 8), so that resuming it is exact.
+``restore`` rebuilds ``OUT`` from them: the stage
 files, ``sft/final_model`` merged from the base model and the adapter (the same weights the
 SFT stage wrote), and each run folder carried whole, which then resumes from its checkpoint. The
 demonstrations (``demos`` stage, a minute) are not carried: the recipe writes them again.
@@ -19,6 +20,7 @@ and a resumed run must keep its config.
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import sys
@@ -29,6 +31,10 @@ RESULTS_FILE = "bfcl_results.jsonl"
 """Each evaluation folder's calls as BFCL's checker takes them (``results_file.py``), carried
 into ``bfcl_results/<evaluation folder>.jsonl``: small, and the evidence a reader re-scores."""
 ADAPTER_FILES = ("trainable.safetensors", "trainer_state.json")
+RFT_DEMOS = "rft_demos_part*.jsonl"
+"""The turns of RFT's samples that BFCL passed, a file a part: the ``rft`` stage trains on
+them, and sampling them again takes hours. Carried gzipped into ``rft_demos/`` (every
+conversation repeats its tool documentation)."""
 NOT_CARRIED = {"demos.json"}
 """Its stage writes ``demos.jsonl`` beside it, which is not carried: the stage runs again."""
 NOT_RESTORED = {"report.json"}
@@ -74,6 +80,10 @@ def save(out: Path, docs: Path) -> None:
     for results in sorted(out.glob(f"evals/*/{RESULTS_FILE}")):  # BFCL's own checker reads these
         (docs / "bfcl_results").mkdir(exist_ok=True)
         shutil.copy2(results, docs / "bfcl_results" / f"{results.parent.name}.jsonl")
+    for demos in sorted(out.glob(RFT_DEMOS)):
+        (docs / "rft_demos").mkdir(exist_ok=True)
+        carried = gzip.compress(demos.read_bytes(), mtime=0)  # unchanged, the same bytes
+        (docs / "rft_demos" / f"{demos.name}.gz").write_bytes(carried)
     for run in resumable_runs(out):
         shutil.copy2(run / "config.yaml", docs / f"{run.name}_config.yaml")
         for earlier in run.glob("config.before_*.yaml"):  # a resume that changed a setting
@@ -93,6 +103,10 @@ def restore(docs: Path, out: Path) -> None:
     for stage in sorted(docs.glob("*.json")):
         if not (out / stage.name).exists() and stage.name not in NOT_CARRIED | NOT_RESTORED:
             shutil.copy2(stage, out / stage.name)
+    for carried in sorted(docs.glob(f"rft_demos/{RFT_DEMOS}.gz")):
+        target = out / carried.name.removesuffix(".gz")
+        if not target.exists():
+            target.write_bytes(gzip.decompress(carried.read_bytes()))
     if (docs / ADAPTER).is_dir() and not (out / "sft" / "final_model").exists():
         merge_adapter(docs, out / "sft")
     carried = sorted(docs.glob("grpo*_config.yaml"))

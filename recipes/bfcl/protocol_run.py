@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,6 +35,7 @@ from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import (
     load_multi_turn_entries,
 )
 from post_training_cookbook.bundled_envs.bfcl.multi_turn_env import BFCLMultiTurnEnv
+from post_training_cookbook.evaluation.results import EvalResult
 
 CATEGORIES = (
     "multi_turn_base",
@@ -168,20 +170,39 @@ is short enough to finish within a session on 2 cores (a stage that is stopped i
 again; 52 entries of one category played ~40 minutes without finishing one)."""
 
 
+def backend(entry: MultiTurnEntry) -> tuple:
+    return (entry.involved_classes,)
+
+
+def in_parts(
+    entries: list[MultiTurnEntry], parts: int, unit: Callable[[MultiTurnEntry], tuple] = backend
+) -> list[tuple[MultiTurnEntry, ...]]:
+    """``entries`` cut into ``parts`` parts of whole units (backend groups by default), each
+    unit in the part its middle entry falls in, in play order: a group's entries side by side,
+    a scenario's categories next to each other (they share the longest prompt prefixes)."""
+    units = sorted({unit(entry) for entry in entries})
+    sizes = {u: sum(unit(e) == u for e in entries) for u in units}
+    part_of, taken = {}, 0
+    for u in units:
+        part_of[u] = min(parts, 1 + (2 * taken + sizes[u]) * parts // (2 * len(entries)))
+        taken += sizes[u]
+    return [
+        tuple(
+            sorted(
+                (entry for entry in entries if part_of[unit(entry)] == part),
+                key=lambda e: (e.involved_classes, e.scenario, e.category),
+            )
+        )
+        for part in range(1, parts + 1)
+    ]
+
+
 @functools.cache
 def held_out_part(part: int) -> tuple[MultiTurnEntry, ...]:
-    """Part ``part`` (1 to ``PARTS``) of the 208 held-out entries, in play order: a backend
-    group's entries side by side, a scenario's categories next to each other (they share the
-    longest prompt prefixes). The scores are per entry: the order and the parts change none."""
+    """Part ``part`` (1 to ``PARTS``) of the 208 held-out entries. The scores are per entry:
+    the order and the parts change none."""
     entries = [entry for category in CATEGORIES for entry in held_out(category)]
-    groups = sorted({entry.involved_classes for entry in entries})
-    sizes = {group: sum(e.involved_classes == group for e in entries) for group in groups}
-    part_of, taken = {}, 0
-    for group in groups:  # whole groups, each in the part its middle entry falls in
-        part_of[group] = min(PARTS, 1 + (2 * taken + sizes[group]) * PARTS // (2 * len(entries)))
-        taken += sizes[group]
-    chosen = [entry for entry in entries if part_of[entry.involved_classes] == part]
-    return tuple(sorted(chosen, key=lambda e: (e.involved_classes, e.scenario, e.category)))
+    return in_parts(entries, PARTS)[part - 1]
 
 
 def score(model, out: Path, label: str, entries, **options) -> dict:
@@ -289,41 +310,83 @@ def train_tasks() -> list:
     return [entry.to_task() for category in CATEGORIES for entry in train_entries(category)]
 
 
-def rft_samples(out: Path, category: str) -> dict:
-    """(d)'s data: ``RFT_SAMPLES`` episodes of (c) per train entry of ``category`` at
-    temperature 1; each episode kept up to the end of the turns BFCL's checker passes (its
-    prefix), the whole episode when the entry passes."""
+TRAIN_PARTS = 12
+"""RFT's samples, and (d)'s on the train entries, run in 12 parts of whole scenarios (~17
+entries, ~51 episodes each), a group's scenarios side by side as in the held-out parts
+(``in_parts``): the 612 episodes take longer than a session, and a part is short enough to
+finish in one."""
+
+
+def scenario(entry: MultiTurnEntry) -> tuple:
+    return (entry.involved_classes, entry.scenario)
+
+
+@functools.cache
+def train_part(part: int) -> tuple[MultiTurnEntry, ...]:
+    """Part ``part`` (1 to ``TRAIN_PARTS``) of the 204 train entries, of whole scenarios (the
+    train entries fall in 7 backend groups: too few to cut 12 parts along)."""
+    entries = [e for c in CATEGORIES for e in train_entries(c)]
+    return in_parts(entries, TRAIN_PARTS, scenario)[part - 1]
+
+
+def sample_train(model: str, out: Path, label: str, entries) -> tuple[EvalResult, dict]:
+    """``RFT_SAMPLES`` episodes of ``model`` per entry at temperature 1, the training bounds;
+    per entry, each sample's prefix turns and BFCL verdict."""
     from post_training_cookbook.evaluation import evaluate
+
+    result = evaluate(
+        model, [entry.to_task() for entry in entries],
+        train_env_factory("entry"), RFT_SAMPLES, temperature=1.0, **LOCAL,
+        label=label, runs_dir=out / "evals", progress=True, max_batch_size=16, **TRAIN_LIMITS,
+    )  # fmt: skip
+    per_entry = {}
+    for group in result.groups:
+        entry, metrics = MultiTurnEntry.from_task(group.task), [e.metrics for e in group.episodes]
+        per_entry[entry.id] = {
+            "category": entry.category,
+            "turns": len(entry.turns),
+            "prefix_turns": [int(m.get("bfcl_mt_prefix_turns", 0.0)) for m in metrics],
+            "valid": [m.get("bfcl_mt_entry_valid") == 1.0 for m in metrics],
+        }
+    return result, per_entry
+
+
+def train_score(per_entry: dict) -> dict:
+    """Prefix turn accuracy over every sampled turn, and the share of samples BFCL passes."""
+    turns = sum(row["turns"] * len(row["prefix_turns"]) for row in per_entry.values())
+    samples = sum(len(row["valid"]) for row in per_entry.values())
+    return {
+        "prefix_turn_accuracy": sum(sum(r["prefix_turns"]) for r in per_entry.values()) / turns,
+        "entry_accuracy": sum(sum(r["valid"]) for r in per_entry.values()) / samples,
+        "turns_sampled": turns,
+        "samples": samples,
+    }
+
+
+def rft_samples(out: Path, part: int) -> dict:
+    """(d)'s data: ``RFT_SAMPLES`` episodes of (c) per train entry of a part at temperature 1;
+    each episode kept up to the end of the turns BFCL's checker passes (its prefix), the whole
+    episode when the entry passes."""
     from post_training_cookbook.sft.conversations import Conversation
 
-    entries = train_entries(category)
-    result = evaluate(
-        str(out / "sft" / "final_model"), [entry.to_task() for entry in entries],
-        train_env_factory("entry"), RFT_SAMPLES, temperature=1.0, **LOCAL,
-        label=f"rft_samples_{category}", runs_dir=out / "evals", progress=True,
-        max_batch_size=16, **TRAIN_LIMITS,
-    )  # fmt: skip
-    kept, episodes, whole = [], 0, 0
+    entries = train_part(part)
+    result, per_entry = sample_train(
+        str(out / "sft" / "final_model"), out, f"rft_samples_part{part}", entries
+    )
+    kept = []
     for group in result.groups:
         entry = MultiTurnEntry.from_task(group.task)
         for episode in group.episodes:
-            episodes += 1
             prefix = int(episode.metrics.get("bfcl_mt_prefix_turns", 0.0))
-            whole += prefix == len(entry.turns)
             if prefix:
                 messages = passed_turns(episode.messages, prefix)
                 kept.append(Conversation(messages, entry.tool_specs).to_json())
-    target = out / f"rft_demos_{category}.jsonl"
-    target.write_text("".join(line + "\n" for line in kept))
-    turns = sum(len(e.turns) for e in entries) * RFT_SAMPLES
+    (out / f"rft_demos_part{part}.jsonl").write_text("".join(line + "\n" for line in kept))
     return {
-        "category": category,
-        "episodes": episodes,
+        **train_score(per_entry),
         "kept_conversations": len(kept),
-        "whole_entries": whole,
-        "prefix_turn_accuracy": result.metrics.get("eval/env/bfcl_mt_prefix_turn_accuracy"),
-        "turns_sampled": turns,
         "engine": engine_record(result),
+        "per_entry": per_entry,
         "eval_dir": str(result.output_dir),
     }
 
@@ -344,11 +407,11 @@ def rft(out: Path) -> dict:
     with (c)'s settings."""
     from post_training_cookbook.sft import train_sft
 
-    lines = [
-        line
-        for category in CATEGORIES
-        for line in (out / f"rft_demos_{category}.jsonl").read_text().splitlines()
-    ]
+    parts = [out / f"rft_demos_part{part}.jsonl" for part in range(1, TRAIN_PARTS + 1)]
+    missing = [p.name for p in parts if not p.exists()]
+    if missing:
+        raise SystemExit(f"rft: run the rft_samples stages first ({', '.join(missing)} missing)")
+    lines = [line for part in parts for line in part.read_text().splitlines()]
     (out / "rft_demos.jsonl").write_text("".join(line + "\n" for line in lines))
     config = sft_config(out, str(out / "sft" / "final_model"), "rft")
     run = train_sft(config, out / "rft_demos.jsonl")
@@ -392,34 +455,32 @@ def rft_model(out: Path, part: int) -> dict:
 
 def grpo_start(out: Path) -> str:
     """(c) or (d), whichever has the higher prefix turn accuracy on its own train samples at
-    temperature 1: (c)'s are RFT's samples; (d)'s, the ``train_score_rft`` stage's. Held-out
+    temperature 1: (c)'s are RFT's samples; (d)'s, the ``train_score_rft`` stages'. Held-out
     scores choose nothing."""
     import json
 
-    def train_score(stage: str) -> float:
-        found = [json.loads((out / f"{stage}_{c}.json").read_text()) for c in CATEGORIES]
-        turns = sum(f["turns_sampled"] for f in found)
-        return sum(f["prefix_turn_accuracy"] * f["turns_sampled"] for f in found) / turns
+    def pooled(stage: str) -> float:
+        rows: dict = {}
+        for part in range(1, TRAIN_PARTS + 1):
+            found = out / f"{stage}_part{part}.json"
+            if not found.exists():
+                raise SystemExit(f"grpo: {found.name} is missing; run its stage first")
+            rows |= json.loads(found.read_text())["per_entry"]
+        return train_score(rows)["prefix_turn_accuracy"]
 
-    better = train_score("train_score_rft") > train_score("rft_samples")
+    better = pooled("train_score_rft") > pooled("rft_samples")
     return str(out / ("rft" if better else "sft") / "final_model")
 
 
-def train_score_rft(out: Path, category: str) -> dict:
+def train_score_rft(out: Path, part: int) -> dict:
     """(d) sampled as (c) was for RFT (same entries, samples, temperature): its train score."""
-    from post_training_cookbook.evaluation import evaluate
-
-    entries = train_entries(category)
-    result = evaluate(
-        str(out / "rft" / "final_model"), [entry.to_task() for entry in entries],
-        train_env_factory("entry"), RFT_SAMPLES, temperature=1.0, **LOCAL,
-        label=f"train_score_rft_{category}", runs_dir=out / "evals", progress=True,
-        max_batch_size=16, **TRAIN_LIMITS,
-    )  # fmt: skip
+    label = f"train_score_rft_part{part}"
+    result, per_entry = sample_train(str(out / "rft" / "final_model"), out, label, train_part(part))
     return {
-        "category": category,
-        "prefix_turn_accuracy": result.metrics.get("eval/env/bfcl_mt_prefix_turn_accuracy"),
-        "turns_sampled": sum(len(e.turns) for e in entries) * RFT_SAMPLES,
+        **train_score(per_entry),
+        "engine": engine_record(result),
+        "per_entry": per_entry,
+        "eval_dir": str(result.output_dir),
     }
 
 
@@ -505,10 +566,11 @@ def per_part(function, prefix: str) -> dict:
     }
 
 
-def per_category(function, prefix: str) -> dict:
+def per_train_part(function, prefix: str) -> dict:
+    """One stage a part of the train entries (``train_part``)."""
     return {
-        f"{prefix}_{c.removeprefix('multi_turn_')}": functools.partial(function, category=c)
-        for c in CATEGORIES
+        f"{prefix}_part{part}": functools.partial(function, part=part)
+        for part in range(1, TRAIN_PARTS + 1)
     }
 
 
@@ -527,10 +589,10 @@ STAGE_FUNCTIONS = {
     **per_part(zero_shot, "eval_zero_shot"),
     "bfcl_single_turn_zero_shot": lambda out: bfcl_single_turn(out, str(qwen_coder_folder())),
     "bfcl_single_turn_sft": lambda out: bfcl_single_turn(out, str(out / "sft" / "final_model")),
-    **per_category(rft_samples, "rft_samples"),
+    **per_train_part(rft_samples, "rft_samples"),
     "rft": rft,
     **per_part(rft_model, "eval_rft"),
-    **per_category(train_score_rft, "train_score_rft"),
+    **per_train_part(train_score_rft, "train_score_rft"),
     **per_part(best_of_n, "best_of_n"),
     **GRPO_STAGES,
     "report": report,
