@@ -88,10 +88,19 @@ def _cpuinfo() -> list[str]:
         return []
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: stages share the machine's memory with nothing
+    else, and a scoring stage's KV grows with its longest conversations."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+
+
 def run_stage(functions: Mapping[str, Stage], stage: str, out: Path) -> None:
     started = time.perf_counter()
     result = functions[stage](out)
     result["wall_s"] = round(time.perf_counter() - started, 1)
+    result["peak_rss_gib"] = round(peak_rss_bytes() / 2**30, 2)
     result["machine"] = machine()
     (out / f"{stage}.json").write_text(json.dumps(result, indent=1) + "\n")
 

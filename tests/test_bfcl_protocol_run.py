@@ -217,3 +217,15 @@ def test_the_bf16_speedup_is_measured_on_this_cpu():
     import stages
 
     assert 0.01 < stages.bf16_speedup(rows=64, width=128, out=256) < 100
+
+
+def test_a_stage_file_records_its_time_peak_memory_and_machine(tmp_path):
+    import stages
+
+    stages.run_stage(
+        {"probe": lambda out: {"made": bytearray(64 * 2**20)[:1] == b"\0"}}, "probe", tmp_path
+    )
+    record = json.loads((tmp_path / "probe.json").read_text())
+    assert record["made"] is True and record["wall_s"] >= 0
+    assert record["peak_rss_gib"] >= 64 / 1024  # the stage's own 64 MiB at least
+    assert {"cpu", "cores", "bf16_over_fp32"} <= set(record["machine"])

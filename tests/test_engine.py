@@ -805,6 +805,26 @@ def test_a_rows_kv_copy_holds_its_valid_columns_in_order(gap: bool) -> None:
     assert keys[1].abs().sum() > 0
 
 
+def test_the_kv_columns_grow_by_what_the_longest_row_needs_not_to_a_power_of_two() -> None:
+    """Every row holds ``col_capacity`` columns: a conversation just past 16,384 tokens must
+    not give all rows 32,768 (at 16 rows of a 0.5B model in fp32, 12.9 GB instead of 8.1);
+    the live columns keep their keys through the move."""
+    from post_training_cookbook.engine.kv import COLUMN_STEP, KVBatch
+
+    batch = KVBatch(num_layers=1, dtype=torch.float32, device=torch.device("cpu"))
+    batch.reserve(2, 40)
+    batch.add_rows(2)
+    keys = torch.randn(2, 1, batch.cols, 2)
+    batch.write(0, slice(0, 2), slice(0, batch.cols), keys, keys)
+    batch.valid[:, : batch.cols] = True
+    batch.reserve(1, 16_385)
+    needed = 16_385 + 1 + 16_385 // 4
+    assert needed <= batch.col_capacity < needed + COLUMN_STEP
+    assert batch.col_capacity % COLUMN_STEP == 0 and batch.row_capacity == 4
+    moved = batch.buffers(0)[0][:2, :, batch.cols - 40 : batch.cols]
+    torch.testing.assert_close(moved, keys, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_released_packed_weights_come_back_with_the_next_updates_weights(
     model: torch.nn.Module, dtype: torch.dtype

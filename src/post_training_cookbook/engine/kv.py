@@ -84,6 +84,19 @@ def _capacity(current: int, needed: int, minimum: int) -> int:
     return max(minimum, 1 << (needed - 1).bit_length())
 
 
+COLUMN_STEP = 256
+
+
+def _col_capacity(current: int, needed: int) -> int:
+    """Keep the capacity while it fits, else ``needed`` (headroom included) rounded up to a
+    multiple of ``COLUMN_STEP``: every live row holds ``col_capacity`` columns of KV, so a power
+    of two would hold up to twice the longest conversation's KV in every row (a 0.5B model's
+    16 rows of 16,385 columns in fp32: 12.9 GB at 32,768, 8.1 GB at 20,736)."""
+    if needed <= current:
+        return current
+    return max(64, -(-needed // COLUMN_STEP) * COLUMN_STEP)
+
+
 class KVBatch:
     """Keys, values, valid columns, positions and next input token of the live rows (and,
     for a hybrid model, their recurrent states)."""
@@ -135,7 +148,7 @@ class KVBatch:
             self.cols = cols  # nothing live to move: reuse the buffers
             return
         # A quarter of headroom, so that compaction does not repeat every step.
-        col_capacity = _capacity(self.col_capacity, cols + 1 + cols // 4, minimum=64)
+        col_capacity = _col_capacity(self.col_capacity, cols + 1 + cols // 4)
         row_capacity = _capacity(self.row_capacity, self.rows + new_rows, minimum=4)
         self._relayout(row_capacity, col_capacity, start, offset=cols - used)
 
