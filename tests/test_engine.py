@@ -19,6 +19,7 @@ from post_training_cookbook.engine import (
     SampledSequence,
     SamplingParams,
 )
+from post_training_cookbook.engine import decoder as decoder_module
 from post_training_cookbook.engine.decoder import Decoder, Request, inference_copy
 from post_training_cookbook.engine.sampling import sample_tokens
 
@@ -462,6 +463,35 @@ def test_a_prefill_mixing_a_cache_hit_and_a_longer_miss_keeps_both_exact(
     loop.close()
     assert (decoder.stats.prefix_cache_hits, decoder.stats.prefill_batches) == (1, 2)
     assert decoder.stats.prefill_tokens_reused == 20 + 6 - 1
+    assert mean_abs_logprob_error(model, [hit, miss], results) <= 1e-4
+
+
+def test_a_long_prefill_runs_in_chunks_of_queries_and_stays_exact(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a small score budget a prefill goes in chunks (each over the keys before its end),
+    with a cached prefix left of one row and left padding in another: the samples are those
+    of one whole forward, and the chunks are as many as the budget asks."""
+    # one row, 4 heads, 30 keys: 480 bytes a query, so chunks of 10
+    monkeypatch.setattr(decoder_module, "PREFILL_SCORE_BYTES", 4800)
+    monkeypatch.setattr(decoder_module, "MIN_PREFILL_CHUNK", 8)
+    decoder = Decoder(inference_copy(model, None, torch.device("cpu")), prefix_cache_size=8)
+    forwards: list[int] = []
+    decoder.model.register_forward_pre_hook(
+        lambda module, args, kwargs: forwards.append(kwargs["input_ids"].shape[1]),
+        with_kwargs=True,
+    )
+    loop = asyncio.new_event_loop()
+    first = prompt_of(30, 0)
+    ((done,),) = decode_to_the_end(decoder, loop, [first], max_tokens=4)
+    assert [n for n in forwards if n > 1] == [10, 10, 10]  # (decode steps: one query a row)
+    forwards.clear()
+    hit, miss = first + done.tokens + prompt_of(60, 2), prompt_of(70, 1)
+    results = decode_to_the_end(decoder, loop, [hit, miss], max_tokens=6)
+    loop.close()
+    prefill = [n for n in forwards if n > 1]
+    assert sum(prefill) == 70 and len(prefill) == 70 // 8 + 1  # the floor: 8 queries a chunk
+    assert decoder.stats.prefix_cache_hits == 1
     assert mean_abs_logprob_error(model, [hit, miss], results) <= 1e-4
 
 

@@ -55,6 +55,13 @@ SHARED_PREFIX_MIN_TOKENS = 64
 """A prefix shared by several prompts of one prefill is computed once when it is at least
 this long (shorter, a forward of its own costs more than it saves)."""
 
+PREFILL_SCORE_BYTES = 2**29
+"""A prefill forward's attention scores (rows x heads x queries x keys, float32) stay under
+this: a longer prefill goes in chunks of queries, each over the keys before its end. Whole, a
+BFCL long-context turn (4 rows, 14 heads, 4,000 new tokens over 20,000 keys) would take
+18 GB of scores and its mask beside the KV, and was OOM-killed at 24 GB (docs/performance.md)."""
+MIN_PREFILL_CHUNK = 128
+
 
 class Decoder:
     """Runs the batch: ``prefill`` new requests, ``decode_step`` every live row, swap weights."""
@@ -71,6 +78,7 @@ class Decoder:
         self.model = model
         config = model.config.get_text_config()
         self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
         self.layer_kinds = layer_types(model)
         self.state_shapes = state_shapes(model) if LINEAR_ATTENTION in self.layer_kinds else {}
         self.hybrid = bool(self.state_shapes)
@@ -345,7 +353,37 @@ class Decoder:
     def _forward(
         self, rows: slice, end: int, input_ids: torch.Tensor, position_ids: torch.Tensor
     ) -> torch.Tensor:
-        """Next-token logits (float32) of ``rows``; new tokens go in the columns before ``end``."""
+        """Next-token logits (float32) of ``rows``; new tokens go in the columns before ``end``.
+
+        A long prefill runs in chunks of queries (``PREFILL_SCORE_BYTES``), each writing its
+        KV before the next reads it; only the last chunk's logits are kept. A hybrid model's
+        linear-attention layers and router replay's records expect one forward a prefill, so
+        those models prefill whole.
+        """
+        queries = input_ids.shape[1]
+        chunk = self._prefill_chunk(rows, end, queries)
+        if chunk >= queries:
+            return self._forward_window(rows, end, input_ids, position_ids)
+        first_end = end - queries
+        logits = torch.empty(0)
+        for lo in range(0, queries, chunk):
+            hi = min(lo + chunk, queries)
+            logits = self._forward_window(
+                rows, first_end + hi, input_ids[:, lo:hi], position_ids[:, lo:hi]
+            )
+        return logits
+
+    def _prefill_chunk(self, rows: slice, end: int, queries: int) -> int:
+        """How many queries one forward of this prefill takes (all of them when it fits)."""
+        if queries == 1 or self.hybrid or self.routes is not None:
+            return queries
+        keys = end - self.batch.first_col(rows)
+        per_query = (rows.stop - rows.start) * self.num_heads * keys * 4
+        return max(MIN_PREFILL_CHUNK, PREFILL_SCORE_BYTES // max(per_query, 1))
+
+    def _forward_window(
+        self, rows: slice, end: int, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
         queries = input_ids.shape[1]
         start = self.batch.first_col(rows)
         self.cache.set_window(rows, start, end, queries)
