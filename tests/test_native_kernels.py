@@ -10,6 +10,7 @@ import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -198,6 +199,26 @@ def test_the_native_step_computes_the_python_steps_logits(
     # bf16: the kernel keeps attention scores in float32 where torch's bf16 matmul rounds them
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     assert (native_logits - python_logits).abs().max().item() <= tolerance
+
+
+def test_kv_buffers_laid_out_afresh_are_freed_before_the_next_decode_step(
+    kernels: NativeKernels,
+) -> None:
+    """The guard remembers the tensors it checked without keeping them: after a relayout the
+    old KV buffers go at once (kept, a second copy of every row's KV lived through the next
+    prefill), and the next step checks the new ones (a bad new buffer is still refused)."""
+    decoder = prefilled_decoder(tiny_llama_family("qwen2"), torch.float32, decode_steps=2)
+    assert decoder.fused is not None and decoder.fused.kernels is not None
+    batch = decoder.batch
+    old = [weakref.ref(buffer) for buffer in batch.keys + batch.values]
+    with torch.inference_mode():
+        batch.reserve(0, batch.col_capacity + 1)  # room on the left: fresh buffers
+    assert all(reference() is None for reference in old)
+    with torch.inference_mode():
+        decoder.decode_step()
+        batch.keys[0] = batch.keys[0][:, :1].contiguous()  # a new buffer of the wrong shape
+        with pytest.raises(ValueError, match="keys"):
+            decoder.decode_step()
 
 
 def test_matmul_weights_are_packed_and_repacked_after_a_weights_update(

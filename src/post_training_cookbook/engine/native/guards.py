@@ -11,7 +11,11 @@ thousands of hostile calls against it, under ASan and UBSan in ``scripts/native_
 
 A decode step of a small model takes ~2 ms, so the checks stay cheap: ``decode_step``'s
 per-layer weights (hundreds of tensors in a real model) are checked once per distinct set of
-tensor objects, which the guard keeps alive so that the set cannot change identity under it.
+tensor objects. The guard knows that set by weak references: a strong one would keep the KV
+buffers of a batch the engine has since laid out afresh alive until the next decode step, a
+second copy of every row's KV through the whole prefill between (8 GB for a 0.5B model's 16
+rows of 20,000 columns: BFCL's long-context evaluation was OOM-killed so). A tensor that is
+freed fails its reference, so a new tensor at a recycled address is checked again.
 Values are not checked: NaN or infinite weights and states give NaN or infinite outputs, as
 in torch.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,7 +77,7 @@ class GuardedKernels:
     def __init__(self, raw: Any) -> None:
         self.raw = raw  # the extension module itself: no checks
         # decode_step's model tensors and KV buffers, as last checked (see the module docstring)
-        self._checked: tuple[tuple[int, ...], list[torch.Tensor], _StepShape] | None = None
+        self._checked: tuple[tuple[int, int, int], list[weakref.ref], _StepShape] | None = None
 
     def decode_attention(
         self,
@@ -112,12 +117,13 @@ class GuardedKernels:
         )
         heads = _integer("heads", heads)
         held = [embed, final_norm, lm_head, *weight_list, *key_list, *value_list]
-        identity = (heads, len(weight_list), len(key_list), *map(id, held))
-        if self._checked is None or self._checked[0] != identity:
+        counts = (heads, len(weight_list), len(key_list))
+        if not self._same_as_checked(counts, held):
             shape = check_decode_step_buffers(embed, key_list, value_list)
             _check_heads(heads, shape.kv_heads)
             check_decode_step_weights(embed, weight_list, final_norm, lm_head, heads, shape)
-            self._checked = identity, held, shape  # held: their ids stay theirs
+            self._checked = counts, [weakref.ref(tensor) for tensor in held], shape
+        assert self._checked is not None
         check_decode_step_inputs(input_ids, cos, sin, valid, col, lo, embed, self._checked[2])
         _real("eps", eps, minimum=0.0)
         _real("scale", scale)
@@ -125,6 +131,15 @@ class GuardedKernels:
             input_ids, cos, sin, embed, weights, final_norm, lm_head, keys, values, valid,
             col, lo, heads, eps, scale,
         )  # fmt: skip
+
+    def _same_as_checked(self, counts: tuple[int, int, int], held: list[torch.Tensor]) -> bool:
+        """``held`` are the very tensor objects last checked (alive, in the same order)."""
+        if self._checked is None or self._checked[0] != counts:
+            return False
+        references = self._checked[1]
+        return len(references) == len(held) and all(
+            reference() is tensor for reference, tensor in zip(references, held, strict=True)
+        )
 
     def gated_delta_step(
         self,
