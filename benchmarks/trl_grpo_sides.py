@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,15 @@ class Work:
     """The tasks (prompt, target) in the order ours takes them: TRL's dataset, in order."""
     tool_specs: list[dict[str, Any]]
     """The game's tool schemas, as ours renders them."""
+    micro_batch: int = 8
+    """TRL's episodes a micro-batch (``per_device_train_batch_size``; its default 8); it
+    accumulates ``tasks × group / micro_batch`` of them a step."""
+    tie_break: bool = True
+    """Whether a scored answer's reward gets ``tie_break`` on both sides (``trl_grpo.py``:
+    so that both train every group); False: the game's reward as it is."""
+    chat_template: str | None = None
+    """TRL's chat template, where the model's own renders no tools (SmolLM2-135M-Instruct's
+    plain ChatML): the Hermes template ours' ``hermes`` codec renders the same."""
 
 
 def tie_break(text: str) -> float:
@@ -73,14 +82,14 @@ def tie_break(text: str) -> float:
     return zlib.crc32(text.encode()) % 1000 / 100_000
 
 
-def answer_reward(last: Message, target: str) -> float:
-    """The game's reward of an episode's last message, with the tie-break; 0 for an episode
-    that ended on a tool call (cut at the turn limit, as ours gives a truncated one)."""
+def answer_reward(last: Message, target: str, *, tie_broken: bool = True) -> float:
+    """The game's reward of an episode's last message, with the tie-break unless not
+    ``tie_broken``; 0 for an episode that ended on a tool call (cut at the turn limit, as
+    ours gives a truncated one)."""
     if last.get("role") != "assistant" or last.get("tool_calls"):
         return 0.0
-    return numeric_answer(last, Task(prompt="", target=target)) + tie_break(
-        last.get("content") or ""
-    )
+    reward = numeric_answer(last, Task(prompt="", target=target))
+    return reward + tie_break(last.get("content") or "") if tie_broken else reward
 
 
 class StepMarks:
@@ -175,7 +184,20 @@ def game_reward(
     ]
 
 
-def run_trl(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
+def plain_game_reward(
+    completions: list[list[Message]], target: list[str], **_: Any
+) -> list[float | None]:
+    """``game_reward`` without the tie-break: the game's own reward."""
+    return [
+        answer_reward(messages[-1], answer, tie_broken=False)
+        for messages, answer in zip(completions, target, strict=True)
+    ]
+
+
+def run_trl(
+    work: Work, setting: Setting, scratch: str, callbacks: Sequence[Any] = ()
+) -> dict[str, Any]:
+    """TRL's side; ``callbacks``: more ``TrainerCallback``s, added after the step clock's."""
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
@@ -183,6 +205,8 @@ def run_trl(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     from trl.chat_template_utils import qwen3_template
 
     tokenizer = AutoTokenizer.from_pretrained(work.folder)
+    if work.chat_template is not None:
+        tokenizer.chat_template = work.chat_template
     if TOOLS_LOOP not in tokenizer.chat_template:
         raise ValueError("the chat template has no tools loop to point at the game's tools")
     tokenizer.chat_template = tokenizer.chat_template.replace(TOOLS_LOOP, GAME_TOOLS_LOOP)
@@ -191,7 +215,8 @@ def run_trl(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     args = GRPOConfig(
         output_dir=scratch, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1,
         seed=work.seed, max_steps=work.steps, num_generations=work.group,
-        gradient_accumulation_steps=work.tasks * work.group // 8,  # 8 a micro-batch (default)
+        per_device_train_batch_size=work.micro_batch,
+        gradient_accumulation_steps=work.tasks * work.group // work.micro_batch,
         learning_rate=work.learning_rate, lr_scheduler_type="constant", loss_type="grpo",
         max_completion_length=work.max_completion_length,
         max_tool_calling_iterations=work.max_turns - 1,
@@ -207,7 +232,8 @@ def run_trl(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     lora = LoraConfig(r=work.lora, lora_alpha=2 * work.lora, target_modules=LORA_TARGETS,
                       task_type="CAUSAL_LM") if work.lora else None  # fmt: skip
     trainer = GRPOTrainer(
-        model=work.folder, reward_funcs=game_reward, args=args, processing_class=tokenizer,
+        model=work.folder, reward_funcs=game_reward if work.tie_break else plain_game_reward,
+        args=args, processing_class=tokenizer,
         train_dataset=Dataset.from_list(rows), environment_factory=GameEnvironment,
         peft_config=lora,
     )  # fmt: skip
@@ -244,6 +270,8 @@ def run_trl(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     trainer._generate_and_score_completions = timed_generation  # type: ignore[method-assign]
     trainer._tokenize_prompts = recorded_prompts  # type: ignore[method-assign]
     trainer.add_callback(Clock())
+    for callback in callbacks:
+        trainer.add_callback(callback)
     trainer.train()
     note = (f"bf16={args.bf16}, gradient_checkpointing={args.gradient_checkpointing}, "
             f"{args.per_device_train_batch_size} a micro-batch × "
@@ -263,7 +291,17 @@ class TieBrokenGame(ToolUseGameEnv):
         return reward + tie_break(answer.get("content") or ""), metrics
 
 
-def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
+def run_ours(
+    work: Work,
+    setting: Setting,
+    scratch: str,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    stop_ok: bool = False,
+) -> dict[str, Any]:
+    """Ours' side; ``overrides``: more ``GRPOConfig`` fields (a schedule of checkpoints, a
+    run name); ``stop_ok``: a run stopped between steps (``TrainingStopped``) returns its
+    row too."""
     from post_training_cookbook.codecs.hermes import HermesCodec
     from post_training_cookbook.envs.tool_use_game import TOOL_USE_GAME_TRAIN_TASKS
     from post_training_cookbook.grpo import lockstep
@@ -271,6 +309,7 @@ def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     from post_training_cookbook.grpo.train import train_multi_turn
     from post_training_cookbook.runs.config import Dtype
     from post_training_cookbook.runs.reporting import RunLog
+    from post_training_cookbook.runs.stopping import TrainingStopped
     from post_training_cookbook.service.local import LocalModelService
     from post_training_cookbook.trainer import trainer as trainer_module
     from post_training_cookbook.trainer.lora import DEFAULT_LORA_TARGETS
@@ -318,7 +357,7 @@ def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
     RunLog.record = recorded  # type: ignore[method-assign]
     dtypes: dict[bool | None, Dtype | None] = {None: None, False: "float32", True: "bfloat16"}
     dtype = dtypes[setting.bf16]
-    config = GRPOConfig(
+    fields: dict[str, Any] = dict(
         model=work.model, codec=work.codec, batch_size=work.tasks, episodes_per_task=work.group,
         num_steps=work.steps, max_turns=work.max_turns, max_model_length=work.max_model_length,
         max_tokens_per_turn=work.max_tokens_per_turn, learning_rate=work.learning_rate,
@@ -327,8 +366,11 @@ def run_ours(work: Work, setting: Setting, scratch: str) -> dict[str, Any]:
         checkpoint_interval=0, runs_dir=scratch, run_name="trl-grpo", seed=work.seed,
         gradient_checkpointing=setting.checkpointing, dtype=dtype,
     )  # fmt: skip
+    config = GRPOConfig(**(fields | dict(overrides or {})))
+    game = TieBrokenGame if work.tie_break else ToolUseGameEnv
     # The whole train split with the same seed: the stream hands out ``ordered_tasks``.
-    train_multi_turn(config, list(TOOL_USE_GAME_TRAIN_TASKS), lambda task: TieBrokenGame())
+    with contextlib.suppress(*((TrainingStopped,) if stop_ok else ())):
+        train_multi_turn(config, list(TOOL_USE_GAME_TRAIN_TASKS), lambda task: game())
     codec = found["codec"]
     closing = int(codec.tokenizer.convert_tokens_to_ids("<|im_end|>"))
     suffix = codec.render_extension([TOOL_RESULT], sampled_tokens=[closing])
