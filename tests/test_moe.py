@@ -54,9 +54,12 @@ def test_the_fused_decode_step_does_not_claim_a_mixture_of_experts_model(moe_dir
 
 
 def test_lora_adapts_attention_and_each_experts_fused_tensors(moe_dir):
-    """peft (0.21) turns the ``gate_proj``/``up_proj``/``down_proj`` targets of a Qwen3-MoE
-    into its experts' fused tensors, so the dense MLP of ``mlp_only_layers`` (and Qwen3.6's
-    shared expert) is left without an adapter; attention and the experts get one."""
+    """peft turns the ``gate_proj``/``up_proj``/``down_proj`` targets of a Qwen3-MoE into its
+    experts' fused tensors; attention and the experts get an adapter. The dense MLP of
+    ``mlp_only_layers`` gets one from peft 0.22 on (0.21 matched the names to the experts
+    only and left it without)."""
+    import peft
+    from packaging.version import Version
     from peft.tuners.lora import LoraLayer
 
     service = make_service(moe_dir, use_lora=True)
@@ -74,7 +77,9 @@ def test_lora_adapts_attention_and_each_experts_fused_tensors(moe_dir):
         for layer in (0, 1)
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
     }
-    assert adapted == experts | attention
+    dense = {(f"model.layers.1.mlp.{proj}", None) for proj in ("gate_proj", "up_proj", "down_proj")}
+    dense_adapted = Version(peft.__version__) >= Version("0.22")
+    assert adapted == experts | attention | (dense if dense_adapted else set())
 
 
 def expert_tensors(service):
