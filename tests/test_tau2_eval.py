@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tau2_common import require_tau2
+from tau2_common import REPLY_TOKEN, require_tau2, saying_one_token_model
 
 require_tau2()
 
@@ -206,48 +206,9 @@ def airline_expected() -> list[float]:
     return expected
 
 
-REPLY_TOKEN = "!"
-"""What the long-context tiny model says, every token (its reply: text for τ²'s user)."""
-
-
 @pytest.fixture(scope="module")
 def long_context_tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama (the test tokenizer, Hermes template) with room for τ²'s airline
-    prompt, 14,200 tokens of it, whose weights make every greedy token ``REPLY_TOKEN``: the
-    last MLP's bias puts 1,000 on one residual dimension, which then rules the final norm,
-    and only that token's output row reads it. (A random one says "\n" only: an empty
-    reply, τ²'s ``agent_error`` on every task.)"""
-    import torch
-    from test_codecs_common import make_tokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from post_training_cookbook.codecs import HERMES_CHAT_TEMPLATE
-
-    tokenizer = make_tokenizer(HERMES_CHAT_TEMPLATE)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=16384,
-        tie_word_embeddings=False,
-        mlp_bias=True,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for linear in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-                linear.bias.zero_()
-        model.model.layers[-1].mlp.down_proj.bias[0] = 1000.0
-        model.lm_head.weight[:, 0] = 0.0
-        model.lm_head.weight[tokenizer.convert_tokens_to_ids(REPLY_TOKEN), 0] = 10.0
-    path = tmp_path_factory.mktemp("tau2-eval") / "tiny-llama-16k"
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return saying_one_token_model(tmp_path_factory.mktemp("tau2-eval") / "tiny-llama-16k", 16384)
 
 
 def test_a_local_model_is_scored_on_airline_with_the_user_at_an_endpoint(
