@@ -102,6 +102,38 @@ def test_an_unfinished_sft_run_is_carried_whole_and_resumes_where_it_stopped(
     assert not (docs / "sft_checkpoint").exists()
 
 
+def test_rfts_sft_run_from_the_sft_model_is_carried_unfinished_then_as_its_adapter(
+    tiny_llama_dir, tmp_path
+):
+    out, docs, elsewhere, third = (tmp_path / n for n in ("out", "docs", "elsewhere", "third"))
+    data = demonstration_files(tmp_path / "sft_data")
+    sft_run(tiny_llama_dir, tmp_path / "sft_data", "sft", num_steps=2, use_lora=True)
+    (tmp_path / "sft_data" / "runs" / "sft").rename(out.mkdir() or out / "sft")
+    start = out / "sft" / "final_model"
+    train_sft(small_config(start, out, "rft", num_steps=2, use_lora=True), *data)
+    shutil.rmtree(out / "rft" / "final_model")  # stopped after its checkpoint of step 2
+
+    carry.save(out, docs)
+    assert (docs / "sft_adapter").is_dir() and not (docs / "rft_adapter").exists()
+    assert (docs / "rft_checkpoint" / "optimizer.safetensors").is_file()  # exact resume
+
+    carry.restore(docs, elsewhere)
+    assert (elsewhere / "sft" / "final_model").is_dir()  # (c) merged, (d)'s start
+    original = (out / "rft" / "metrics.jsonl").read_text().splitlines()
+    config = small_config(start, elsewhere, "rft", num_steps=3, use_lora=True, resume=True)
+    run = train_sft(config, *data)
+    lines = (run.path / "metrics.jsonl").read_text().splitlines()
+    assert lines[:2] == original[:2]  # steps 0-1 carried, step 2 trained here
+
+    carry.save(elsewhere, docs)  # finished now: carried as its adapter
+    assert (docs / "rft_adapter" / "trainable.safetensors").is_file()
+    assert not (docs / "rft_checkpoint").exists()
+    carry.restore(docs, third)
+    merged, trained = weights(third / "rft" / "final_model"), weights(run.final_model_dir)
+    assert merged.keys() == trained.keys()
+    assert all((merged[name] == trained[name]).all() for name in merged)
+
+
 def test_rfts_kept_samples_are_carried_gzipped_and_restored_as_they_were(tmp_path):
     out, docs, again = tmp_path / "out", tmp_path / "docs", tmp_path / "again"
     out.mkdir()

@@ -6,13 +6,14 @@ one working session here, and only what is committed outlives one.
 
 ``save`` copies into the docs folder what the run cannot rebuild cheaply: every finished
 stage's JSON; every evaluation folder's ``bfcl_results.jsonl``; RFT's kept samples
-(``RFT_DEMOS``); a finished SFT stage's config, metrics and adapter (the newest checkpoint's
-trainable weights and ``trainer_state.json``, not its optimizer state); and for each GRPO run,
-and an SFT run that has not finished, its config, metrics and newest checkpoint, whole
-(optimizer and RNG states included, 53-62 MB at LoRA rank 8), so that resuming it is exact.
-``restore`` rebuilds ``OUT`` from them: the stage
-files, ``sft/final_model`` merged from the base model and the adapter (the same weights the
-SFT stage wrote), and each run folder carried whole, which then resumes from its checkpoint. The
+(``RFT_DEMOS``); a finished SFT run's (``SFT_RUNS``: (c) and (d)) config, metrics and adapter
+(the newest checkpoint's trainable weights and ``trainer_state.json``, not its optimizer
+state); and for each GRPO run, and an SFT run that has not finished, its config, metrics and
+newest checkpoint, whole (optimizer and RNG states included, 53-62 MB at LoRA rank 8), so
+that resuming it is exact. ``restore`` rebuilds ``OUT`` from them: the stage files, each
+finished SFT run's ``final_model`` merged from its start model and its adapter (the same
+weights the stage wrote), and each run folder carried whole, which then resumes from its
+checkpoint. The
 demonstrations (``demos`` stage, a minute) are not carried: the recipe writes them again.
 Use the same ``OUT`` path on both sides: a GRPO run's config names its start model by path,
 and a resumed run must keep its config.
@@ -26,7 +27,8 @@ import shutil
 import sys
 from pathlib import Path
 
-ADAPTER = "sft_adapter"
+SFT_RUNS = ("sft", "rft")
+"""The protocol's SFT runs, in the order they are restored: (d) starts from (c)'s final model."""
 RESULTS_FILE = "bfcl_results.jsonl"
 """Each evaluation folder's calls as BFCL's checker takes them (``results_file.py``), carried
 into ``bfcl_results/<evaluation folder>.jsonl``: small, and the evidence a reader re-scores."""
@@ -45,12 +47,20 @@ def grpo_runs(out: Path) -> list[Path]:
     return sorted(p for p in out.glob("grpo*") if p.is_dir() and (p / "config.yaml").exists())
 
 
+def adapter(name: str) -> str:
+    """The docs folder's name for a finished SFT run's adapter."""
+    return f"{name}_adapter"
+
+
 def resumable_runs(out: Path) -> list[Path]:
-    """The training runs carried whole, to resume: every GRPO run, and an SFT run that has
+    """The training runs carried whole, to resume: every GRPO run, and each SFT run that has
     not finished (a finished one is carried as its adapter)."""
-    sft = out / "sft"
-    unfinished = (sft / "config.yaml").exists() and not (sft / "final_model").is_dir()
-    return ([sft] if unfinished else []) + grpo_runs(out)
+    unfinished = [
+        out / name
+        for name in SFT_RUNS
+        if (out / name / "config.yaml").exists() and not (out / name / "final_model").is_dir()
+    ]
+    return unfinished + grpo_runs(out)
 
 
 def newest_checkpoint(run: Path) -> Path | None:
@@ -65,18 +75,8 @@ def save(out: Path, docs: Path) -> None:
     for stage in sorted(out.glob("*.json")):
         if stage.name not in NOT_CARRIED:
             shutil.copy2(stage, docs / stage.name)
-    sft = out / "sft"
-    checkpoint = newest_checkpoint(sft)
-    if (sft / "final_model").is_dir() and checkpoint is None:
-        # a folder ``restore`` rebuilt: its final model was merged from the carried adapter
-        assert (docs / ADAPTER).is_dir(), f"{sft} has a final model but no checkpoint"
-    elif (sft / "final_model").is_dir() and checkpoint is not None:
-        shutil.copy2(sft / "config.yaml", docs / "sft_config.yaml")
-        shutil.copy2(sft / "metrics.jsonl", docs / "sft_metrics.jsonl")
-        shutil.rmtree(docs / "sft_checkpoint", ignore_errors=True)  # carried while unfinished
-        (docs / ADAPTER).mkdir(exist_ok=True)
-        for name in ADAPTER_FILES:
-            shutil.copy2(checkpoint / name, docs / ADAPTER / name)
+    for name in SFT_RUNS:
+        save_finished_sft(out / name, docs)
     for results in sorted(out.glob(f"evals/*/{RESULTS_FILE}")):  # BFCL's own checker reads these
         (docs / "bfcl_results").mkdir(exist_ok=True)
         shutil.copy2(results, docs / "bfcl_results" / f"{results.parent.name}.jsonl")
@@ -98,6 +98,24 @@ def save(out: Path, docs: Path) -> None:
         print(f"{run.name}: carried {checkpoint.name}")
 
 
+def save_finished_sft(run: Path, docs: Path) -> None:
+    """A finished SFT run as its config, metrics and adapter (an unfinished one is carried
+    whole by ``save``, as a GRPO run is)."""
+    checkpoint = newest_checkpoint(run)
+    if not (run / "final_model").is_dir():
+        return
+    if checkpoint is None:
+        # a folder ``restore`` rebuilt: its final model was merged from the carried adapter
+        assert (docs / adapter(run.name)).is_dir(), f"{run} has a final model but no checkpoint"
+        return
+    shutil.copy2(run / "config.yaml", docs / f"{run.name}_config.yaml")
+    shutil.copy2(run / "metrics.jsonl", docs / f"{run.name}_metrics.jsonl")
+    shutil.rmtree(docs / f"{run.name}_checkpoint", ignore_errors=True)  # carried unfinished
+    (docs / adapter(run.name)).mkdir(exist_ok=True)
+    for name in ADAPTER_FILES:
+        shutil.copy2(checkpoint / name, docs / adapter(run.name) / name)
+
+
 def restore(docs: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for stage in sorted(docs.glob("*.json")):
@@ -107,12 +125,15 @@ def restore(docs: Path, out: Path) -> None:
         target = out / carried.name.removesuffix(".gz")
         if not target.exists():
             target.write_bytes(gzip.decompress(carried.read_bytes()))
-    if (docs / ADAPTER).is_dir() and not (out / "sft" / "final_model").exists():
-        merge_adapter(docs, out / "sft")
-    carried = sorted(docs.glob("grpo*_config.yaml"))
-    if (docs / "sft_checkpoint").is_dir() and not (docs / ADAPTER).is_dir():
-        carried.insert(0, docs / "sft_config.yaml")  # an SFT run carried unfinished
-    for config in carried:
+    for name in SFT_RUNS:
+        if (docs / adapter(name)).is_dir() and not (out / name / "final_model").exists():
+            merge_adapter(docs, out / name)
+    unfinished = [  # SFT runs carried whole, to resume
+        docs / f"{name}_config.yaml"
+        for name in SFT_RUNS
+        if (docs / f"{name}_checkpoint").is_dir() and not (docs / adapter(name)).is_dir()
+    ]
+    for config in unfinished + sorted(docs.glob("grpo*_config.yaml")):
         name = config.name.removesuffix("_config.yaml")
         run = out / name
         if run.exists():
@@ -127,9 +148,10 @@ def restore(docs: Path, out: Path) -> None:
             print(f"{name}: resumes from step {step}")
 
 
-def merge_adapter(docs: Path, sft: Path) -> None:
-    """``sft/final_model``: the base model with the carried adapter merged, written by a
-    trainer set up as the SFT stage's was (so the weights are the ones it wrote)."""
+def merge_adapter(docs: Path, run: Path) -> None:
+    """``run/final_model``: the run's start model with its carried adapter merged, written by
+    a trainer set up as the SFT stage's was (so the weights are the ones it wrote). (d)'s
+    start is (c)'s final model, restored before it."""
     sys.path.insert(0, str(Path(__file__).parent))
     from qwen_coder import qwen_coder_folder, qwen_coder_tagged_folder
 
@@ -138,18 +160,18 @@ def merge_adapter(docs: Path, sft: Path) -> None:
     from post_training_cookbook.sft.train import service_spec
     from post_training_cookbook.trainer.trainer import Trainer
 
-    config = SFTConfig.from_yaml(docs / "sft_config.yaml")
+    config = SFTConfig.from_yaml(docs / f"{run.name}_config.yaml")
     if not Path(config.model).exists():  # the base model's folder, converted from its wheels
         tagged = config.model.endswith("-tool-tags")  # the SFT stage's start (tag rows trained)
         made = (qwen_coder_tagged_folder if tagged else qwen_coder_folder)()
         assert str(made) == config.model, f"{config.model} is not where this machine makes it"
     settings = service_spec(config, resolve_model(config.model, codec=config.codec)).trainer
     trainer = Trainer.from_settings(config.model, settings)
-    trainer.load_training_checkpoint(docs / ADAPTER, load_optimizer=False)
-    trainer.save_inference_checkpoint(sft / "final_model")
-    shutil.copy2(docs / "sft_config.yaml", sft / "config.yaml")
-    shutil.copy2(docs / "sft_metrics.jsonl", sft / "metrics.jsonl")
-    print(f"sft: final model merged from {docs / ADAPTER}")
+    trainer.load_training_checkpoint(docs / adapter(run.name), load_optimizer=False)
+    trainer.save_inference_checkpoint(run / "final_model")
+    shutil.copy2(docs / f"{run.name}_config.yaml", run / "config.yaml")
+    shutil.copy2(docs / f"{run.name}_metrics.jsonl", run / "metrics.jsonl")
+    print(f"{run.name}: final model merged from {docs / adapter(run.name)}")
 
 
 if __name__ == "__main__":
