@@ -9,8 +9,16 @@ from dataclasses import fields
 import pytest
 
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
+from post_training_cookbook.runs.reporting import training_metrics
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
+from post_training_cookbook.trainer.types import (
+    ForwardBackwardResult,
+    LossConfig,
+    OptimStepResult,
+    RouterCounts,
+    TrainerSettings,
+    TrainingSample,
+)
 
 MAX_INIT_LINES = 40
 
@@ -46,6 +54,26 @@ def test_a_trainer_built_from_settings_on_the_bundled_model_takes_a_step() -> No
     ]
     result = trainer.forward_backward(samples, LossConfig())
     step = trainer.optim_step(1e-4)
-    assert math.isfinite(result.loss) and result.num_tokens == 8
+    assert math.isfinite(result.loss) and result.num_tokens == 8 and result.router is None
+    assert all(key.startswith("loss/") for key in result.metrics)  # means only, no counts
     assert not step.skipped and step.version == trainer.version == 1
     assert math.isfinite(step.grad_norm) and step.grad_norm > 0
+
+
+def test_a_training_call_logs_its_counts_from_typed_fields_under_the_same_names() -> None:
+    result = ForwardBackwardResult(
+        loss=0.5, metrics={"loss/entropy": 2.0}, num_tokens=6, forwarded_tokens=40,
+        router=RouterCounts(replayed_tokens=8, routed_otherwise=2),
+    )  # fmt: skip
+    step = OptimStepResult(version=3, grad_norm=0.25, skipped=False, learning_rate=1e-4)
+    assert training_metrics(result, step) == {
+        "loss/entropy": 2.0,
+        "optim/grad_norm": 0.25,
+        "optim/learning_rate": 1e-4,
+        "optim/skipped": 0.0,
+        "train/forwarded_tokens": 40.0,
+        "router/disagreement": 0.25,
+        "router/replayed_tokens": 8.0,
+    }
+    without_replay = training_metrics(ForwardBackwardResult(0.5), step)
+    assert not any(key.startswith("router/") for key in without_replay)

@@ -13,9 +13,10 @@ from post_training_cookbook.trainer.types import ForwardBackwardResult, OptimSte
 
 
 def training_metrics(result: ForwardBackwardResult, step: OptimStepResult) -> dict[str, float]:
-    """One training call's numbers as every loop logs them: the loss's token means
-    (``loss/…``, ``docs/losses.md``), the optimizer step (``optim/…``), the positions the
-    model computed (``train/forwarded_tokens``) and, with router replay, ``router/…``."""
+    """A step's ``forward_backward`` and ``optim_step`` results as every loop logs them: the
+    loss's token means (``loss/…``, ``docs/losses.md``), then the results' typed counts under
+    their names: the optimizer step (``optim/…``), the positions the model computed
+    (``train/forwarded_tokens``) and, with router replay, ``router/…``."""
     metrics = {
         **result.metrics,
         "optim/grad_norm": step.grad_norm,
