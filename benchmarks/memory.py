@@ -53,7 +53,7 @@ import torch
 import transformers
 
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 # Qwen2.5-0.5B's config.json, except num_hidden_layers (--layers).
 QWEN25_05B = {
@@ -117,10 +117,11 @@ def build_trainer(args: argparse.Namespace, options: dict[str, object]) -> Train
     # Initialised in the dtype the trainer keeps, so building it does not set the peak.
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     options = {"micro_batch_tokens": args.micro_batch_tokens, **options}
-    return Trainer(
-        model, use_lora=not args.full_weight, seed=0, device=args.device,
+    settings = TrainerSettings(
+        use_lora=not args.full_weight, seed=0, device=args.device,
         **options,  # type: ignore[arg-type]
     )  # fmt: skip
+    return Trainer(model, settings)
 
 
 def resident_bytes(device: torch.device) -> int:

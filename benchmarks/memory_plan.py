@@ -44,7 +44,7 @@ import torch
 
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 sys.path.insert(0, str(Path(__file__).parent))
 import packing
@@ -105,11 +105,12 @@ def model_source(name: str) -> str:
 def measure(name: str, layout: str, device: str | None) -> Row:
     shape = SHAPES[name]
     torch.manual_seed(0)
-    trainer = Trainer(
-        model_source(shape.model), use_lora=shape.model != "bundled", seed=0, device=device,
+    settings = TrainerSettings(
+        use_lora=shape.model != "bundled", seed=0, device=device,
         micro_batch_tokens=shape.micro_batch_tokens, gradient_checkpointing=None,
         packing=layout != "off", shared_prefix=layout == "shared_prefix",
     )  # fmt: skip
+    trainer = Trainer(model_source(shape.model), settings)
     assert trainer.packing_mode == layout
     vocab = trainer._causal_lm.config.get_text_config().vocab_size
     samples = episodes(shape, vocab)

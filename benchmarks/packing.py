@@ -219,7 +219,7 @@ def batch_trainer(args: argparse.Namespace, batch: RecordedBatch) -> Trainer:
             f"{args.batch}: token id {largest} is outside {source}'s vocabulary of {vocab}: "
             f"not the model ({batch.source.model!r}) the batch was recorded with"
         )
-    return Trainer.from_settings(source, settings)
+    return Trainer(source, settings)
 
 
 def sampled_with(batch: RecordedBatch, fill: Path) -> list[TrainingSample]:
@@ -251,12 +251,13 @@ def measure(args: argparse.Namespace) -> Row:
             if args.logprob_chunk_tokens is None
             else {"logprob_chunk_tokens": args.logprob_chunk_tokens}
         )
-        trainer = Trainer(
-            model, use_lora=shape.use_lora, micro_batch_tokens=args.micro_batch_tokens, seed=0,
+        settings = TrainerSettings(
+            use_lora=shape.use_lora, micro_batch_tokens=args.micro_batch_tokens, seed=0,
             packing=args.mode != "off", shared_prefix=args.mode == "shared_prefix",
             device=args.device, gradient_checkpointing=None,
             autocast_bf16=False if args.fp32 else None, **given,
         )  # fmt: skip
+        trainer = Trainer(model, settings)
     assert trainer.packing_mode == args.mode
     device = trainer.device
     resident = resident_bytes(device)

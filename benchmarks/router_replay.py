@@ -24,7 +24,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from post_training_cookbook.engine.local import LocalEngine
 from post_training_cookbook.engine.types import SampledSequence, SamplingParams
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 
 def build(args: argparse.Namespace) -> Qwen3MoeForCausalLM:
@@ -65,9 +65,10 @@ def sample(
 def train_seconds(
     model: torch.nn.Module, samples: list[TrainingSample], args: argparse.Namespace
 ) -> float:
-    trainer = Trainer(
-        model, use_lora=False, router_replay=True, device=args.device, autocast_bf16=False
+    settings = TrainerSettings(
+        use_lora=False, router_replay=True, device=args.device, autocast_bf16=False
     )
+    trainer = Trainer(model, settings)
     trainer.forward_backward(samples, LossConfig())  # warm-up
     best = float("inf")
     for _ in range(args.repeats):

@@ -46,7 +46,7 @@ import transformers
 
 from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 VOCAB = 32000
 
@@ -103,17 +103,17 @@ def measure(trainer: Trainer, options: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def trainer_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "use_lora": options["lora"], "micro_batch_tokens": options["micro_batch_tokens"],
-        "autocast_bf16": False, "seed": 0, "device": "cpu",
-    }  # fmt: skip
+def trainer_settings(options: dict[str, Any]) -> TrainerSettings:
+    return TrainerSettings(
+        use_lora=options["lora"], micro_batch_tokens=options["micro_batch_tokens"],
+        autocast_bf16=False, seed=0, device="cpu",
+    )  # fmt: skip
 
 
 def rank_main(rank: int, address: str, world_size: int, options: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)
     group = TrainerGroup(rank, world_size, address, timeout_s=600)
-    trainer = Trainer(options["model"], **trainer_options(options), group=group)
+    trainer = Trainer(options["model"], trainer_settings(options), group=group)
     Path(f"{out}.{rank}").write_text(json.dumps(measure(trainer, options)))
     trainer.close()
 
@@ -126,7 +126,7 @@ def run_sharded(world_size: int, options: dict[str, Any], folder: Path) -> list[
 
 def one_worker(options: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)
-    trainer = Trainer(options["model"], **trainer_options(options))
+    trainer = Trainer(options["model"], trainer_settings(options))
     Path(out).write_text(json.dumps(measure(trainer, options)))
 
 

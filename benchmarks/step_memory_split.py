@@ -36,7 +36,7 @@ import torch
 
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
 import packing
@@ -82,11 +82,12 @@ def measure(name: str) -> dict[str, object]:
         if model == "bundled"
         else packing.build_model("smollm2", 2)
     )
-    trainer = Trainer(
-        source, use_lora=model != "bundled", seed=0, device="cpu", gradient_checkpointing=None,
+    settings = TrainerSettings(
+        use_lora=model != "bundled", seed=0, device="cpu", gradient_checkpointing=None,
         micro_batch_tokens=None if model == "bundled" else 1024,
         packing=layout != "off", shared_prefix=layout == "shared_prefix",
     )  # fmt: skip
+    trainer = Trainer(source, settings)
     vocab = trainer._causal_lm.config.get_text_config().vocab_size
     group = packing.Shape(1, count, prompt, 1, sampled, 0, use_lora=False)
     samples = packing.episodes(group, vocab)

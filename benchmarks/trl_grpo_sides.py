@@ -312,7 +312,7 @@ def run_ours(
     from post_training_cookbook.runs.stopping import TrainingStopped
     from post_training_cookbook.service.local import LocalModelService
     from post_training_cookbook.trainer import trainer as trainer_module
-    from post_training_cookbook.trainer.lora import DEFAULT_LORA_TARGETS
+    from post_training_cookbook.trainer.types import DEFAULT_LORA_TARGETS
 
     assert tuple(LORA_TARGETS) == DEFAULT_LORA_TARGETS, "TRL's LoRA targets are not ours"
     marks, prompt_ids, found = StepMarks(), {}, dict[str, Any]()

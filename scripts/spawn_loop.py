@@ -24,7 +24,7 @@ from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedExc
 
 from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 VOCAB = 64
 GROUP_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
@@ -61,7 +61,8 @@ def rank_step(rank: int, address: str, lora: bool) -> None:
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     group = TrainerGroup(rank, 2, address, timeout_s=120.0)
-    trainer = Trainer(tiny_model(), use_lora=lora, autocast_bf16=False, seed=1, group=group)
+    settings = TrainerSettings(use_lora=lora, autocast_bf16=False, seed=1)
+    trainer = Trainer(tiny_model(), settings, group=group)
     try:
         trainer.forward_backward(samples(), LossConfig())
         trainer.optim_step(1e-3)

@@ -18,7 +18,7 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.train import train_multi_turn
 from post_training_cookbook.models import BUNDLED_MODEL_DIR
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import TrainingSample
+from post_training_cookbook.trainer.types import TrainerSettings, TrainingSample
 from post_training_cookbook.types import Message
 
 TASKS = [task for task in TOOL_USE_GAME_TASKS if task.metadata["level"] == 3][:40]
@@ -69,7 +69,7 @@ def run(runs_dir: Path, turn_rewards: str, **overrides: Any) -> Path:
 
 def turn_zero_objective(model: Path, samples: list[TrainingSample]) -> float:
     """Σ advantage · log π over the samples' trained tokens, under ``model``'s weights."""
-    trainer = Trainer(model, use_lora=False, autocast_bf16=False, device="cpu")
+    trainer = Trainer(model, TrainerSettings(use_lora=False, autocast_bf16=False, device="cpu"))
     try:
         logprobs = trainer.forward(samples)
     finally:

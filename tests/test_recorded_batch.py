@@ -90,7 +90,7 @@ def test_the_recorded_batch_gives_the_loss_the_run_reported(
     loop_run: LoopRun, tiny_llama_dir: Path
 ) -> None:
     batch = record_batch(loop_run.path, 0)
-    trainer = Trainer.from_settings(tiny_llama_dir, batch.trainer)  # the run's initial weights
+    trainer = Trainer(tiny_llama_dir, batch.trainer)  # the run's initial weights
     loss = trainer.forward_backward(batch.samples, batch.loss).loss
     assert loss != 0.0
     assert loss == pytest.approx(step_metrics(loop_run.path)[0]["loss/loss"], rel=1e-5)

@@ -42,7 +42,7 @@ from post_training_cookbook.models.moe_routing import (
 )
 from post_training_cookbook.rollout import Episode
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 from post_training_cookbook.types import Message
 
 PROMPTS = [[1, 5, 9, 12, 7, 30], [3, 3, 7], [2, 40, 41, 42, 43, 44, 45]]
@@ -133,7 +133,7 @@ def training_samples(sequences: list[SampledSequence], routes: bool = True) -> l
 
 def trainer_for(model: torch.nn.Module, **options) -> Trainer:
     options = {"use_lora": False, "device": "cpu", "autocast_bf16": False, **options}
-    return Trainer(model, router_replay=True, **options)
+    return Trainer(model, TrainerSettings(router_replay=True, **options))
 
 
 def mean_gap(samples: list[TrainingSample], logprobs: list[list[float]]) -> float:
@@ -315,10 +315,10 @@ def test_replaying_the_models_own_routes_is_its_own_forward_exactly(family, pack
     replayed = trainer.forward_backward(samples, LossConfig())
     own = trainer.forward_backward(plain, LossConfig())
     assert replayed.loss == own.loss
-    assert replayed.metrics["router/disagreement"] == 0.0
+    assert replayed.router is not None and replayed.router.disagreement == 0.0
     # every token the decoder read: a shared-prefix stream reads the prompt and [50] once
     read = len(prompt) + 1 + 3 + 2 + 5 if packing else 3 * len(prompt) + 4 + 3 + 5
-    assert replayed.metrics["router/replayed_tokens"] == read
+    assert replayed.router.replayed_tokens == read
 
     forced = [dataclasses.replace(s, routed_experts=s.routed_experts.copy()) for s in samples]
     for sample in forced:  # the last token of each but one: the 2 experts its router left out
@@ -326,7 +326,7 @@ def test_replaying_the_models_own_routes_is_its_own_forward_exactly(family, pack
         routes[:] = sorted(set(range(4)) - set(routes.tolist()))
     assert trainer.forward(forced) != trainer.forward(plain)
     result = trainer.forward_backward(forced, LossConfig())
-    assert result.metrics["router/disagreement"] == 3 / read
+    assert result.router is not None and result.router.disagreement == 3 / read
 
 
 def test_a_record_of_another_shape_than_the_models_routing_is_refused():
@@ -339,7 +339,10 @@ def test_a_record_of_another_shape_than_the_models_routing_is_refused():
 
 def test_a_trainer_asked_to_replay_a_dense_models_routes_refuses():
     with pytest.raises(ValueError, match="router_replay needs a mixture-of-experts model"):
-        Trainer(resolve_model(BUNDLED_MODEL_ID).source, use_lora=False, router_replay=True)
+        Trainer(
+            resolve_model(BUNDLED_MODEL_ID).source,
+            TrainerSettings(use_lora=False, router_replay=True),
+        )
 
 
 # ---------------------------------------------------------------- sampler and trainer
@@ -374,7 +377,7 @@ def test_replay_narrows_the_gap_between_a_bf16_sampler_and_an_fp32_trainer(famil
     samples = training_samples(sequences)
     replayed = mean_gap(samples, trainer.forward(samples))
     own = mean_gap(samples, trainer.forward(training_samples(sequences, routes=False)))
-    drift = trainer.forward_backward(samples, LossConfig()).metrics["router/disagreement"]
+    drift = trainer.forward_backward(samples, LossConfig()).router.disagreement
     assert drift > 0.05
     assert replayed < 0.5 * own
 

@@ -140,7 +140,7 @@ def test_two_workers_take_the_step_of_one_same_loss_gradient_norm_and_weights(
     if use_lora:
         service = create(scale_model, True, weight_transport="object_store")
     try:
-        baseline = Trainer.from_settings(str(scale_model), settings(use_lora))
+        baseline = Trainer(str(scale_model), settings(use_lora))
         before = baseline.state_dict_for_inference()
         start = saved_weights(service, tmp_path / "start")
         assert max_weight_gap(start, before) == 0.0  # the same start on every rank
@@ -224,7 +224,7 @@ def test_a_sharded_checkpoint_resumes_exactly_at_two_workers_and_in_one_process(
     assert version == uninterrupted[1].version - 1
     assert_same_step(step(second), uninterrupted)
 
-    one = Trainer.from_settings(str(scale_model), settings(False))
+    one = Trainer(str(scale_model), settings(False))
     one.load_training_checkpoint(checkpoint)  # DCP reshards two ranks' shards into one
     assert one.version == version
     assert_same_step((one.forward_backward(batch(), LOSS), one.optim_step(LR)), uninterrupted)
@@ -271,7 +271,7 @@ def variant_rank(rank: int, address: str, model: str, variant: str, out: str) ->
     torch.set_num_threads(1)
     loss_config = VARIANTS[variant][1]
     group = TrainerGroup(rank, 2, address, timeout_s=120)
-    trainer = Trainer.from_settings(model, variant_settings(variant), group=group)
+    trainer = Trainer(model, variant_settings(variant), group=group)
     loss, optim = trainer.forward_backward(batch(), loss_config), trainer.optim_step(LR)
     weights = trainer.state_dict_for_inference()
     if rank == 0:
@@ -294,7 +294,7 @@ def test_gradient_checkpointing_and_the_kl_reference_shard_with_the_same_step(
     scale_model: Path, tmp_path: Path
 ) -> None:
     sharded = two_process_step(scale_model, "checkpointed-kl", tmp_path)
-    one = Trainer.from_settings(str(scale_model), variant_settings("checkpointed-kl"))
+    one = Trainer(str(scale_model), variant_settings("checkpointed-kl"))
     before = one.state_dict_for_inference()
     expected = one.forward_backward(batch(), VARIANTS["checkpointed-kl"][1]), one.optim_step(LR)
     assert expected[0].metrics["loss/kl_ref"] == 0.0  # the first step: the policy is the reference
@@ -312,7 +312,7 @@ def test_bf16_weights_with_fp32_masters_shard_too_within_bf16_rounding(
     the bound is on the update as a whole: measured, 0.05-0.1% of the weights differ (a tiny
     gradient's sign, one rounding step) and the updates' cosine is 0.9997-0.9998."""
     sharded = two_process_step(scale_model, "bf16", tmp_path)
-    one = Trainer.from_settings(str(scale_model), variant_settings("bf16"))
+    one = Trainer(str(scale_model), variant_settings("bf16"))
     start = {name: t.float() for name, t in one.state_dict_for_inference().items()}
     loss, optim = one.forward_backward(batch(), LOSS), one.optim_step(LR)
     got_loss, got_optim = sharded["step"]

@@ -79,7 +79,7 @@ def test_the_service_trains_the_masked_nll_of_the_conversation(tiny_llama_dir, t
     examples = render_examples(load_codec(info), read_conversations(train)[:2], "all", 1024)
     settings = service_spec(small_config(tiny_llama_dir, tmp_path, "x"), info).trainer
     settings = replace(settings, autocast_bf16=False)  # exact fp32, as the reference
-    trainer = Trainer.from_settings(str(tiny_llama_dir), settings)
+    trainer = Trainer(str(tiny_llama_dir), settings)
     samples = [example.training_sample() for example in examples.examples]
     result = trainer.forward_backward(samples, LossConfig(loss_type="sft"))
     got = {name: p.grad.clone() for name, p in trainer.trainable_parameters().items()}

@@ -18,7 +18,7 @@ from test_trainer_packing import group_samples, tiny_model
 
 from post_training_cookbook.trainer.sharded import TrainerGroup, serve_rendezvous, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
 
 GROUP_THREADS = ("gloo", "pt_gloo", "pt_tcpstore")
 """Name prefixes of the threads gloo and c10d start."""
@@ -46,7 +46,11 @@ def test_the_rendezvous_port_is_held_from_before_its_address_is_handed_out() -> 
 def _step_then_close(rank: int, address: str, out: str) -> None:
     torch.set_num_threads(1)
     group = TrainerGroup(rank, 2, address, timeout_s=120.0)
-    trainer = Trainer(tiny_model("qwen2"), use_lora=False, autocast_bf16=False, seed=1, group=group)
+    trainer = Trainer(
+        tiny_model("qwen2"),
+        TrainerSettings(use_lora=False, autocast_bf16=False, seed=1),
+        group=group,
+    )
     trainer.forward_backward(group_samples(), LossConfig())
     trainer.optim_step(1e-3)
     running = group_threads()

@@ -11,7 +11,7 @@ from test_grpo_common import build_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 TAG = "<tool_call>"
 SFT = LossConfig(loss_type="sft")
@@ -51,9 +51,16 @@ def train(trainer: Trainer, samples: list[TrainingSample], steps: int = 15) -> N
 
 def make(model_dir: Path, tokens: tuple[str, ...]) -> Trainer:
     return Trainer(
-        model_dir, use_lora=True, lora_rank=2, trainable_tokens=tokens, seed=0, device="cpu",
-        autocast_bf16=False,
-    )  # fmt: skip
+        model_dir,
+        TrainerSettings(
+            use_lora=True,
+            lora_rank=2,
+            trainable_tokens=tokens,
+            seed=0,
+            device="cpu",
+            autocast_bf16=False,
+        ),
+    )
 
 
 def test_only_the_named_rows_move_and_they_reach_the_exported_model(
@@ -111,12 +118,11 @@ def test_bad_settings_are_refused_before_the_model_loads(model_dir: Path) -> Non
     with pytest.raises(ValueError, match="twice"):
         make(model_dir, (TAG, TAG))
     with pytest.raises(ValueError, match="full-weight"):
-        Trainer(model_dir, use_lora=False, trainable_tokens=(TAG,), device="cpu")
+        Trainer(model_dir, TrainerSettings(use_lora=False, trainable_tokens=(TAG,), device="cpu"))
 
 
 def test_vllm_gets_merged_weights_when_rows_train_beside_the_adapter() -> None:
     from post_training_cookbook.service.ray import syncs_adapter_alone
-    from post_training_cookbook.trainer.types import TrainerSettings
 
     plain, rows = TrainerSettings(), TrainerSettings(trainable_tokens=(TAG,))
     assert syncs_adapter_alone(plain, None, "vllm")  # vLLM's LoRA slots by default

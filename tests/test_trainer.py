@@ -14,9 +14,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from post_training_cookbook.files import BadFileError
+from post_training_cookbook.runs.reporting import training_metrics
 from post_training_cookbook.trainer.precision import bf16_autocast_is_fast
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 VOCAB = 256
 GRPO = LossConfig(loss_type="grpo")
@@ -35,7 +36,9 @@ def make_trainer(
     use_lora: bool, model: transformers.PreTrainedModel | None = None, **kw: object
 ) -> Trainer:
     kw = {"autocast_bf16": False, "lora_rank": 4, "seed": 1, **kw}
-    return Trainer(model if model is not None else tiny_model(), use_lora=use_lora, **kw)  # type: ignore[arg-type]
+    return Trainer(
+        model if model is not None else tiny_model(), TrainerSettings(use_lora=use_lora, **kw)
+    )  # type: ignore[arg-type]
 
 
 def make_samples(
@@ -264,7 +267,7 @@ def test_a_nan_loss_skips_the_step_and_touches_nothing(use_lora: bool) -> None:
     assert not torch.isfinite(torch.tensor(result.loss))
     step = trainer.optim_step(1e-2)
     assert step.skipped and step.version == trainer.version == 1
-    assert step.metrics["optim/skipped"] == 1.0
+    assert training_metrics(result, step)["optim/skipped"] == 1.0
     assert_bitwise_equal(weights(trainer), weights_before)
     assert_bitwise_equal(optimizer_tensors(trainer), optimizer_before)
     assert not grads(trainer)
@@ -345,7 +348,8 @@ def test_inference_checkpoint_loads_in_transformers_with_the_trainers_logits(
 ) -> None:
     save_with_tokenizer(tiny_model(), tmp_path / "base")
     trainer = Trainer(
-        tmp_path / "base", use_lora=use_lora, lora_rank=4, autocast_bf16=False, seed=1
+        tmp_path / "base",
+        TrainerSettings(use_lora=use_lora, lora_rank=4, autocast_bf16=False, seed=1),
     )
     samples = make_samples()
     for _ in range(2):
@@ -376,7 +380,9 @@ def test_training_resumes_bit_for_bit_from_a_checkpoint(use_lora: bool, tmp_path
     tiny_model().save_pretrained(tmp_path / "base")
 
     def build() -> Trainer:
-        return Trainer(tmp_path / "base", use_lora=use_lora, lora_rank=4, autocast_bf16=False)
+        return Trainer(
+            tmp_path / "base", TrainerSettings(use_lora=use_lora, lora_rank=4, autocast_bf16=False)
+        )
 
     original = build()
     train_steps(original, 2, seed=0)
@@ -401,10 +407,14 @@ def test_training_resumes_bit_for_bit_from_a_checkpoint(use_lora: bool, tmp_path
 
 def test_loading_weights_only_starts_a_fresh_optimizer_at_version_zero(tmp_path: Path) -> None:
     tiny_model().save_pretrained(tmp_path / "base")
-    original = Trainer(tmp_path / "base", use_lora=True, lora_rank=4, autocast_bf16=False)
+    original = Trainer(
+        tmp_path / "base", TrainerSettings(use_lora=True, lora_rank=4, autocast_bf16=False)
+    )
     train_steps(original, 2, seed=0)
     original.save_training_checkpoint(tmp_path / "ckpt")
-    fork = Trainer(tmp_path / "base", use_lora=True, lora_rank=4, autocast_bf16=False)
+    fork = Trainer(
+        tmp_path / "base", TrainerSettings(use_lora=True, lora_rank=4, autocast_bf16=False)
+    )
     fork.load_training_checkpoint(tmp_path / "ckpt", load_optimizer=False)
     assert fork.version == 0
     assert not fork._optimizer.state_dict()["state"]

@@ -13,8 +13,13 @@ from peft import LoraConfig, get_peft_model
 from test_trainer_packing import tiny_model
 
 from post_training_cookbook.trainer.precision import cast_norm_outputs_once
-from post_training_cookbook.trainer.trainer import DEFAULT_LORA_TARGETS, Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.trainer import Trainer
+from post_training_cookbook.trainer.types import (
+    DEFAULT_LORA_TARGETS,
+    LossConfig,
+    TrainerSettings,
+    TrainingSample,
+)
 
 
 def with_lora(model: transformers.PreTrainedModel) -> torch.nn.Module:
@@ -88,7 +93,9 @@ def test_outside_autocast_and_for_other_families_nothing_changes() -> None:
 
 
 def test_a_trainer_under_autocast_casts_once() -> None:
-    trainer = Trainer(tiny_model("llama"), use_lora=True, autocast_bf16=True, seed=0)
+    trainer = Trainer(
+        tiny_model("llama"), TrainerSettings(use_lora=True, autocast_bf16=True, seed=0)
+    )
     norm = trainer._causal_lm.model.layers[0].input_layernorm
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert norm(torch.ones(1, 3, 32)).dtype == torch.bfloat16

@@ -45,7 +45,7 @@ from post_training_cookbook.trainer.memory_plan import (
 )
 from post_training_cookbook.trainer.precision import MasterWeightAdamW
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 HIDDEN = 64  # tiny_model's hidden size
 LOSS = LossConfig(loss_type="grpo", kl_beta=0.05, tis_cap=2.0)
@@ -543,7 +543,10 @@ def test_bf16_training_resumes_bit_for_bit_with_its_master_weights(
     tiny_model().save_pretrained(tmp_path / "base")
 
     def build() -> Trainer:
-        return Trainer(tmp_path / "base", use_lora=use_lora, lora_rank=4, precision="bf16", seed=1)
+        return Trainer(
+            tmp_path / "base",
+            TrainerSettings(use_lora=use_lora, lora_rank=4, precision="bf16", seed=1),
+        )
 
     original = build()
     train_steps(original, 2, seed=0)

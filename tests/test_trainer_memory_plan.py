@@ -24,7 +24,7 @@ from post_training_cookbook.trainer.memory_plan import (
     trained_parameter_count,
 )
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings
 
 CPU = torch.device("cpu")
 
@@ -112,8 +112,15 @@ def test_a_chunk_s_logits_mapped_on_their_own_take_no_heap_slack() -> None:
 
 def test_a_lora_trainer_s_frozen_head_keeps_three_vocabulary_tensors_of_a_chunk() -> None:
     def vocab_tensors(use_lora: bool) -> int:
-        trainer = Trainer(tiny_model("llama"), use_lora=use_lora, micro_batch_tokens=256,
-                          gradient_checkpointing=False, autocast_bf16=False)  # fmt: skip
+        trainer = Trainer(
+            tiny_model("llama"),
+            TrainerSettings(
+                use_lora=use_lora,
+                micro_batch_tokens=256,
+                gradient_checkpointing=False,
+                autocast_bf16=False,
+            ),
+        )
         return trainer.footprint.vocab_tensors
 
     assert (vocab_tensors(True), vocab_tensors(False)) == (3, 4)
@@ -174,8 +181,15 @@ def test_explicit_fields_win_and_the_plan_is_said_once(
 ) -> None:
     with_free(monkeypatch, 1000)
     with caplog.at_level(logging.INFO, logger="post_training_cookbook.trainer.memory_plan"):
-        trainer = Trainer(tiny_model("qwen2"), use_lora=True, micro_batch_tokens=300,
-                          gradient_checkpointing=None, autocast_bf16=False)  # fmt: skip
+        trainer = Trainer(
+            tiny_model("qwen2"),
+            TrainerSettings(
+                use_lora=True,
+                micro_batch_tokens=300,
+                gradient_checkpointing=None,
+                autocast_bf16=False,
+            ),
+        )
     assert (trainer.micro_batch_tokens, trainer.gradient_checkpointing) == (300, True)
     assert trainer.shared_stream_tokens == 300  # a given micro-batch bounds streams too
     messages = [  # (the log-probability chunk is said apart)
@@ -184,14 +198,21 @@ def test_explicit_fields_win_and_the_plan_is_said_once(
         if r.name.endswith("memory_plan") and "micro_batch_tokens" in r.getMessage()
     ]
     assert len(messages) == 1 and "micro_batch_tokens=300 (as set)" in messages[0]
-    trainer = Trainer(tiny_model("qwen2"), use_lora=True, micro_batch_tokens=None,
-                      gradient_checkpointing=False, autocast_bf16=False)  # fmt: skip
+    trainer = Trainer(
+        tiny_model("qwen2"),
+        TrainerSettings(
+            use_lora=True,
+            micro_batch_tokens=None,
+            gradient_checkpointing=False,
+            autocast_bf16=False,
+        ),
+    )
     assert (trainer.micro_batch_tokens, trainer.gradient_checkpointing) == (256, False)
 
 
 def test_a_memory_budget_outside_0_1_is_refused_before_loading() -> None:
     with pytest.raises(ValueError, match="memory_budget"):
-        Trainer("/nonexistent", use_lora=True, memory_budget=1.5)
+        Trainer("/nonexistent", TrainerSettings(use_lora=True, memory_budget=1.5))
 
 
 def test_layers_to_checkpoint_keep_a_stream_near_the_target_s_activations() -> None:
@@ -227,8 +248,16 @@ def test_a_stream_larger_than_its_padded_rows_checkpoints_some_layers_with_the_s
     with_free(monkeypatch, 2**40)
     monkeypatch.setattr(memory_plan, "CPU_MICRO_BATCH_TOKENS", 300)
     samples = shaped_groups(groups=2, episodes=4, prompt=120, added=40)  # streams of 280
-    planned = Trainer(four_layers(), use_lora=True, micro_batch_tokens=None,
-                      gradient_checkpointing=None, autocast_bf16=False, seed=0)  # fmt: skip
+    planned = Trainer(
+        four_layers(),
+        TrainerSettings(
+            use_lora=True,
+            micro_batch_tokens=None,
+            gradient_checkpointing=None,
+            autocast_bf16=False,
+            seed=0,
+        ),
+    )
     assert (planned.micro_batch_tokens, planned.gradient_checkpointing) == (300, False)
     calls = layer_calls(planned)
     chunks: list[int | None] = []  # the log-probability chunk while the decoder runs
@@ -244,8 +273,16 @@ def test_a_stream_larger_than_its_padded_rows_checkpoints_some_layers_with_the_s
     # ... and its log-probabilities chunked by that row's 159 trained positions (not 1,024).
     assert planned.logprob_chunk_tokens == 1024 and set(chunks) == {159}
     assert planned._scorer.chunk_tokens == 1024
-    plain = Trainer(four_layers(), use_lora=True, micro_batch_tokens=300,
-                    gradient_checkpointing=False, autocast_bf16=False, seed=0)  # fmt: skip
+    plain = Trainer(
+        four_layers(),
+        TrainerSettings(
+            use_lora=True,
+            micro_batch_tokens=300,
+            gradient_checkpointing=False,
+            autocast_bf16=False,
+            seed=0,
+        ),
+    )
     plain_result = plain.forward_backward(samples, LossConfig())
     assert plain_result.loss == pytest.approx(planned_result.loss, rel=1e-6)
     for name, parameter in planned.trainable_parameters().items():
@@ -266,8 +303,16 @@ def test_a_stream_the_padded_rows_would_hold_as_well_checkpoints_nothing(
     # Samples of 60 tokens: five padded rows (300 tokens) a micro-batch; both groups' streams
     # (2 × 120 tokens) in one micro-batch hold fewer.
     samples = shaped_groups(groups=2, episodes=4, prompt=40, added=20)
-    planned = Trainer(four_layers(), use_lora=True, micro_batch_tokens=None,
-                      gradient_checkpointing=None, autocast_bf16=False, seed=0)  # fmt: skip
+    planned = Trainer(
+        four_layers(),
+        TrainerSettings(
+            use_lora=True,
+            micro_batch_tokens=None,
+            gradient_checkpointing=None,
+            autocast_bf16=False,
+            seed=0,
+        ),
+    )
     calls = layer_calls(planned)
     planned.forward_backward(samples, LossConfig())
     assert calls == [0, 1, 2, 3]
@@ -281,8 +326,16 @@ def test_a_stream_past_the_micro_batch_checkpoints_against_the_padded_row_it_wou
     with_free(monkeypatch, 2**40)
     monkeypatch.setattr(memory_plan, "CPU_MICRO_BATCH_TOKENS", 256)
     samples = shaped_groups(groups=1, episodes=4, prompt=240, added=40)  # samples of 280
-    tight = Trainer(four_layers(), use_lora=True, micro_batch_tokens=None,
-                    gradient_checkpointing=None, autocast_bf16=False, seed=0)  # fmt: skip
+    tight = Trainer(
+        four_layers(),
+        TrainerSettings(
+            use_lora=True,
+            micro_batch_tokens=None,
+            gradient_checkpointing=None,
+            autocast_bf16=False,
+            seed=0,
+        ),
+    )
     assert tight.micro_batch_tokens == 256 and tight.shared_stream_tokens >= 400
     calls = layer_calls(tight)
     tight.forward_backward(samples, LossConfig())
@@ -298,12 +351,13 @@ from pathlib import Path
 from post_training_cookbook.models import BUNDLED_MODEL_ID, resolve_model
 from post_training_cookbook.trainer import memory_plan
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 free, share = int(sys.argv[1]), float(sys.argv[2])
 memory_plan.free_bytes = lambda device: free  # the machine's free memory moves; this does not
-trainer = Trainer(resolve_model(BUNDLED_MODEL_ID).source, use_lora=False, seed=0, device="cpu",
-                  micro_batch_tokens=None, gradient_checkpointing=None, memory_budget=share)
+settings = TrainerSettings(use_lora=False, seed=0, device="cpu", micro_batch_tokens=None,
+                           gradient_checkpointing=None, memory_budget=share)
+trainer = Trainer(resolve_model(BUNDLED_MODEL_ID).source, settings)
 rng = random.Random(0)
 prompt = [rng.randrange(1536) for _ in range(768)]
 samples = []

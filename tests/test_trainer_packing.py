@@ -13,7 +13,7 @@ import transformers
 
 from post_training_cookbook.trainer.packing import plan_packed, stream_tokens
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 VOCAB = 128
 MODES = ("off", "packed", "shared_prefix")
@@ -72,7 +72,7 @@ def make_trainer(
         "autocast_bf16": False, "lora_rank": 4, "seed": 1, "packing": mode != "off",
         "shared_prefix": mode == "shared_prefix", **kw,
     }  # fmt: skip
-    trainer = Trainer(copy.deepcopy(model), use_lora=use_lora, **options)  # type: ignore[arg-type]
+    trainer = Trainer(copy.deepcopy(model), TrainerSettings(use_lora=use_lora, **options))  # type: ignore[arg-type]
     assert trainer.packing_mode == mode  # the comparison is not plain against plain
     return trainer
 

@@ -17,7 +17,7 @@ from post_training_cookbook.trainer.packing import (
 )
 from post_training_cookbook.trainer.sharded import TrainerGroup, spawn_ranks
 from post_training_cookbook.trainer.trainer import Trainer
-from post_training_cookbook.trainer.types import LossConfig, TrainingSample
+from post_training_cookbook.trainer.types import LossConfig, TrainerSettings, TrainingSample
 
 LOSS = LossConfig(kl_beta=0.05)
 
@@ -66,11 +66,19 @@ def _trainer(mode: str, group: TrainerGroup | None, lora: bool = False) -> Train
         for name, parameter in model.named_parameters():
             parameter.copy_(moved_weights(tiny_model("qwen2"))[name])
     return Trainer(
-        model, use_lora=lora, gradient_checkpointing=lora, autocast_bf16=False,
-        reference_model=True, seed=1,
-        micro_batch_tokens=40, packing=mode != "off", shared_prefix=mode == "shared_prefix",
+        model,
+        TrainerSettings(
+            use_lora=lora,
+            gradient_checkpointing=lora,
+            autocast_bf16=False,
+            reference_model=True,
+            seed=1,
+            micro_batch_tokens=40,
+            packing=mode != "off",
+            shared_prefix=mode == "shared_prefix",
+        ),
         group=group,
-    )  # fmt: skip
+    )
 
 
 def _step(trainer: Trainer) -> tuple[float, float, list[list[float]]]:

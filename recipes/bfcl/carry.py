@@ -166,7 +166,7 @@ def merge_adapter(docs: Path, run: Path) -> None:
         made = (qwen_coder_tagged_folder if tagged else qwen_coder_folder)()
         assert str(made) == config.model, f"{config.model} is not where this machine makes it"
     settings = service_spec(config, resolve_model(config.model, codec=config.codec)).trainer
-    trainer = Trainer.from_settings(config.model, settings)
+    trainer = Trainer(config.model, settings)
     trainer.load_training_checkpoint(docs / adapter(run.name), load_optimizer=False)
     trainer.save_inference_checkpoint(run / "final_model")
     shutil.copy2(docs / f"{run.name}_config.yaml", run / "config.yaml")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from post_training_cookbook.distill.config import is_endpoint
 from post_training_cookbook.trainer.scoring import LocalScorer, TokenScorer
+from post_training_cookbook.trainer.types import TrainerSettings
 
 if TYPE_CHECKING:
     from post_training_cookbook.models.catalog import ModelInfo
@@ -114,13 +115,13 @@ class LocalTeacher(LocalScorer):
         from post_training_cookbook.trainer.trainer import Trainer
 
         weights = load_eval_weights(resolve_eval_model(source, config_type=config_type))
-        trainer = Trainer(
-            weights,
+        settings = TrainerSettings(
             use_lora=False,  # autocast_bf16 as the student's trainer decides it
             micro_batch_tokens=scoring.micro_batch_tokens,
             logprob_chunk_tokens=scoring.logprob_chunk_tokens,
             device=scoring.device,
         )
+        trainer = Trainer(weights, settings)
         return cls(source, trainer)
 
 

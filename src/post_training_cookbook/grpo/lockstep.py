@@ -49,6 +49,7 @@ from post_training_cookbook.rollout import (
     play_groups,
 )
 from post_training_cookbook.runs.directory import LoopState
+from post_training_cookbook.runs.reporting import training_metrics
 from post_training_cookbook.runs.saving import checkpoint_step
 from post_training_cookbook.service.base import ModelService
 
@@ -156,8 +157,7 @@ async def train(
     if batch.samples:
         result = await service.forward_backward(batch.samples, steps.loss)
         optim = await service.optim_step(steps.learning_rate.at(step))
-        metrics |= {"loss/loss": result.loss} | result.metrics | optim.metrics
-        metrics["train/forwarded_tokens"] = float(result.forwarded_tokens)
+        metrics |= {"loss/loss": result.loss} | training_metrics(result, optim)
         trained = time.perf_counter()
         await service.weights_sync(steps.weight_sync_type)
         synced = time.perf_counter()

@@ -213,7 +213,7 @@ def step_metrics(path: Path, step: int) -> dict[str, float]:
 
 def write_recorded_batch(batch: RecordedBatch, path: str | os.PathLike[str]) -> Path:
     """``batch`` as gzip-compressed JSON at ``path``."""
-    trainer = asdict(batch.trainer) | {"trainable_tokens": list(batch.trainer.trainable_tokens)}
+    trainer = asdict(batch.trainer)
     document = {
         "format": FORMAT,
         "version": VERSION,
@@ -273,13 +273,19 @@ def read_recorded_batch(path: str | os.PathLike[str]) -> RecordedBatch:
         raise BadFileError(source, f"is not a valid recorded batch: {exc!r}") from None
 
 
+TUPLE_SETTINGS = ("trainable_tokens", "lora_target_modules", "betas")
+"""``TrainerSettings`` fields that are tuples, which JSON stores as lists."""
+
+
 def _batch_of(document: dict[str, Any]) -> RecordedBatch:
     source = BatchSource(**document["source"])
     trainer_fields = {f.name for f in fields(TrainerSettings)}
     stored = dict(document["trainer"])
     if set(stored) - trainer_fields:
         raise ValueError(f"unknown trainer settings {sorted(set(stored) - trainer_fields)}")
-    stored["trainable_tokens"] = tuple(stored.get("trainable_tokens", ()))
+    for name in TUPLE_SETTINGS:  # JSON lists; absent from batches recorded before them
+        if name in stored:
+            stored[name] = tuple(stored[name])
     trainer = TrainerSettings(**stored)
     loss = LossConfig(**document["loss"])
     samples, sample_groups = [], []

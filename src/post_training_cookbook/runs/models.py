@@ -196,7 +196,7 @@ def _checkpoint_weights(model: EvalModel) -> dict[str, Tensor]:
     check_manifest(model.checkpoint)
     config = model.run_config
     settings = replace(trainer_settings(config), autocast_bf16=False, device="cpu")
-    trainer = Trainer.from_settings(model.info.source, settings)
+    trainer = Trainer(model.info.source, settings)
     trainer.load_training_checkpoint(model.checkpoint, load_optimizer=False)
     return dict(trainer.state_dict_for_inference())
 

@@ -1,4 +1,5 @@
-"""Where step metrics go: metrics.jsonl, W&B (optional) and the console (``RunLog``)."""
+"""Where step metrics go: metrics.jsonl, W&B (optional) and the console (``RunLog``); and
+the names a training call's results go under there (``training_metrics``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,25 @@ from typing import Any
 from tqdm import tqdm
 
 from post_training_cookbook.runs.directory import RunDirectory
+from post_training_cookbook.trainer.types import ForwardBackwardResult, OptimStepResult
+
+
+def training_metrics(result: ForwardBackwardResult, step: OptimStepResult) -> dict[str, float]:
+    """A step's ``forward_backward`` and ``optim_step`` results as every loop logs them: the
+    loss's token means (``loss/…``, ``docs/losses.md``), then the results' typed counts under
+    their names: the optimizer step (``optim/…``), the positions the model computed
+    (``train/forwarded_tokens``) and, with router replay, ``router/…``."""
+    metrics = {
+        **result.metrics,
+        "optim/grad_norm": step.grad_norm,
+        "optim/learning_rate": step.learning_rate,
+        "optim/skipped": float(step.skipped),
+        "train/forwarded_tokens": float(result.forwarded_tokens),
+    }
+    if result.router is not None:
+        metrics["router/disagreement"] = result.router.disagreement
+        metrics["router/replayed_tokens"] = float(result.router.replayed_tokens)
+    return metrics
 
 
 class RunLog:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from post_training_cookbook.serve.app import ServerLimits
 from post_training_cookbook.serve.policy import ServedModel
 from post_training_cookbook.serve.server import PolicyServer, check_bind
+from post_training_cookbook.trainer.types import TrainerSettings
 
 if TYPE_CHECKING:
     from post_training_cookbook.engine.local import LocalEngine
@@ -52,7 +53,9 @@ def load_served_model(
         max_batch_size=max_batch_size,
         prefix_cache_bytes=prefix_cache_bytes,
     )
-    scorer = LocalScorer(name or model.name, Trainer(weights, use_lora=False, device="cpu"))
+    scorer = LocalScorer(
+        name or model.name, Trainer(weights, TrainerSettings(use_lora=False, device="cpu"))
+    )
     served = ServedModel(
         name or model.name, loaded_codec, engine, length, default_max_tokens, scorer
     )

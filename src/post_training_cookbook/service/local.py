@@ -225,7 +225,7 @@ class LocalModelService(ModelService):
         """Load ``info``'s weights into a trainer built as ``trainer`` says, and generators."""
         return cls(
             info,
-            Trainer.from_settings(info.source, trainer),
+            Trainer(info.source, trainer),
             num_generator_replicas=num_generator_replicas,
             engine_dtype=engine_dtype,
             engine_threads=engine_threads,

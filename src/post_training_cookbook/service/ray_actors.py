@@ -77,7 +77,7 @@ class TrainerWorker:
         if self.world_size > 1:
             assert address is not None, "a sharded trainer needs rank 0's address"
             group = TrainerGroup(self.rank, self.world_size, address, timeout_s)
-        self.trainer = Trainer.from_settings(self.source, self.settings, group=group)
+        self.trainer = Trainer(self.source, self.settings, group=group)
         return self.ready()
 
     def ready(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from post_training_cookbook.runs.config import LearningRateSchedule
 from post_training_cookbook.runs.directory import LoopState, RunDirectory
 from post_training_cookbook.runs.models import trainer_settings
 from post_training_cookbook.runs.opening import claim_run_folder, open_run_folder
+from post_training_cookbook.runs.reporting import training_metrics
 from post_training_cookbook.runs.saving import checkpoint_step, save_final_model
 from post_training_cookbook.runs.stopping import StopRequest, stop_on_sigterm
 from post_training_cookbook.service.base import ModelService
@@ -153,8 +154,7 @@ async def _train(
                 [example.training_sample() for example in batch], loss
             )
             optimized = await service.optim_step(schedule.at(step))
-            metrics.update(_step_metrics(result.metrics, optimized.metrics, batch))
-            metrics["train/forwarded_tokens"] = float(result.forwarded_tokens)
+            metrics.update(training_metrics(result, optimized) | _batch_metrics(batch))
             metrics.update({"time/train": time.perf_counter() - started})
             metrics["train/epoch"] = _epoch_of(plan, step, len(examples))
             log.record(step, metrics)
@@ -183,12 +183,8 @@ def _validation_due(config: SFTConfig, step: int) -> bool:
     return config.validation_interval > 0 and step % config.validation_interval == 0
 
 
-def _step_metrics(
-    loss_metrics: Mapping[str, float], optim_metrics: Mapping[str, float], batch: list[SFTExample]
-) -> dict[str, float]:
+def _batch_metrics(batch: list[SFTExample]) -> dict[str, float]:
     return {
-        **loss_metrics,
-        **optim_metrics,
         "train/conversations": float(len(batch)),
         "train/trained_tokens": float(sum(sum(example.mask) for example in batch)),
         "train/tokens": float(sum(len(example.tokens) for example in batch)),

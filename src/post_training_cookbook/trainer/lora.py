@@ -14,7 +14,6 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from post_training_cookbook.trainer.token_rows import token_row_targets
 
-DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAME = "default"  # peft's name for the single adapter get_peft_model creates
 
 

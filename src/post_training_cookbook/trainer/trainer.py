@@ -12,7 +12,7 @@ from a plain HF training step, and why:
   tensor for a whole micro-batch exists.
 - The decoder runs under bf16 autocast where the hardware makes that fast; the LM head and
   log-softmax run in fp32, since ratios are differences of log-probabilities.
-- Memory savings are constructor options: gradient checkpointing, the log-probability
+- Memory savings are settings (``TrainerSettings``): gradient checkpointing, the log-probability
   chunk, and bf16 weights with fp32 optimizer state (``precision.py``).
 - On CPU, attention over short rows is plain matmul + softmax instead of SDPA, whose
   backward is slower there (``attention.py``).
@@ -41,14 +41,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import dataclasses
 import functools
 import logging
 import math
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import torch
 from peft import PeftModel
@@ -71,7 +70,6 @@ from post_training_cookbook.trainer.logprobs import (
 )
 from post_training_cookbook.trainer.lora import (
     ADAPTER_NAME,
-    DEFAULT_LORA_TARGETS,
     lora_settings,
     with_lora,
 )
@@ -79,6 +77,7 @@ from post_training_cookbook.trainer.losses import get_loss_fn
 from post_training_cookbook.trainer.memory_plan import (
     MIN_LOGPROB_CHUNK_TOKENS,
     MicroBatchShape,
+    StepFootprint,
     layers_to_checkpoint,
     padded_rows_tokens,
     resolve_batching,
@@ -90,7 +89,6 @@ from post_training_cookbook.trainer.memory_plan import (
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,
-    Precision,
     cast_norm_outputs_once,
     check_precision,
     clip_gradients,
@@ -111,6 +109,7 @@ from post_training_cookbook.trainer.types import (
     LossConfig,
     OptimStepResult,
     PackingMode,
+    RouterCounts,
     TrainerSettings,
     TrainingSample,
 )
@@ -119,143 +118,119 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """One causal LM and its AdamW, built from a path or a given model (cast to
-    ``precision``'s dtype and trained in place).
+    """One causal LM and its AdamW: ``Trainer(model, settings)``, ``model`` a path or a given
+    model (cast to the settings' precision and trained in place), ``settings`` a
+    ``TrainerSettings`` (each option documented there).
 
-    ``trainable_tokens`` (with LoRA): tokens, as the vocabulary spells them, whose embedding
-    and LM-head rows train in full beside the adapter (``token_rows.py``).
-    ``max_grad_norm=None`` turns clipping off. ``micro_batch_tokens`` bounds a micro-batch's
-    padded size (rows × longest row); a longer sample gets its own, and rows under 3/4 of a
-    micro-batch's longest start another (padding under a quarter). ``autocast_bf16=None``
-    turns bf16 autocast on where it is fast (with fp32 weights).
-
-    Memory (formulas and a table per model size in ``docs/models.md``):
-    ``gradient_checkpointing`` recomputes each decoder layer in backward (off by default:
-    small models on a CPU are short of time, not memory); ``micro_batch_tokens`` or
-    ``gradient_checkpointing`` None: chosen from the model's shape and ``memory_budget`` ×
-    the device's free memory (``memory_plan.py``, logged once); ``logprob_chunk_tokens`` is
-    how many trained positions' vocabulary-sized tensors exist at once (None: all;
-    ``"auto"``: sized by the vocabulary, ``memory_plan.py``); ``precision`` is ``"fp32"``,
-    or ``"bf16"`` weights and gradients with an fp32 master copy and moments in the
-    optimizer (``precision.py``). ``reference_model`` keeps the initial policy for the KL
-    term: a frozen copy for full weight, the base with the adapter disabled for LoRA (no
-    copy). ``tokenizer`` (default: the model path's) is saved with inference checkpoints.
-    ``forward_backward`` runs in train mode (LoRA dropout applies), ``forward`` in eval
-    mode. ``group``: this process is one rank of a sharded trainer (``sharded.py``); it
-    joins the group before loading. ``packing``: each micro-batch is one token stream
-    without padding, and with ``shared_prefix`` a prefix shared by samples is forwarded
-    once (``packing.py``; on only for models where it is exact, Gated DeltaNet hybrids
-    included, ``linear_attention.py``); ``micro_batch_tokens`` then bounds a stream's
-    tokens. ``router_replay``: route each token a sample's ``routed_experts`` records
-    through those experts (a ValueError for a model without MoE routers it knows,
-    ``models/moe_routing.py``).
+    ``tokenizer`` (default: the model path's) is saved with inference checkpoints and spells
+    ``trainable_tokens``. ``group``: this process is one rank of a sharded trainer
+    (``sharded.py``); it joins the group before loading. ``forward_backward`` runs in train
+    mode (LoRA dropout applies), ``forward`` in eval mode. Whatever the memory plan chose
+    (``micro_batch_tokens``, ``gradient_checkpointing``) is logged once and readable here.
     """
 
     def __init__(
         self,
-        model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
+        model: str | os.PathLike[str] | PreTrainedModel,
+        settings: TrainerSettings,
         *,
-        use_lora: bool,
-        lora_rank: int = 16,
-        lora_alpha: int = 32,
-        lora_dropout: float = 0.0,
-        lora_target_modules: Sequence[str] = DEFAULT_LORA_TARGETS,
-        trainable_tokens: Sequence[str] = (),
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        max_grad_norm: float | None = 1.0,
-        micro_batch_tokens: int | None = 4096,
-        autocast_bf16: bool | None = None,
-        gradient_checkpointing: bool | None = False,
-        memory_budget: float = 0.5,
-        logprob_chunk_tokens: int | Literal["auto"] | None = "auto",
-        precision: Precision = "fp32",
-        reference_model: bool = False,
-        packing: bool = True,
-        shared_prefix: bool = True,
-        seed: int | None = None,
-        router_replay: bool = False,
         tokenizer: Any = None,
-        device: str | torch.device | None = None,
         group: TrainerGroup | None = None,
     ) -> None:
-        """Check the options, load the model and set up AdamW (see the class docstring)."""
-        check_batch_options(
-            micro_batch_tokens, logprob_chunk_tokens, gradient_checkpointing, memory_budget
-        )
-        check_token_rows(trainable_tokens, use_lora, sharded=group is not None)
-        self.tokenizer = tokenizer or load_tokenizer_if_any(model_path_or_model)
-        trained_rows = token_ids(self.tokenizer, trainable_tokens)  # before the model loads
-        if seed is not None:
-            torch.manual_seed(seed)  # LoRA's A matrices are initialised at random
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.precision = check_precision(precision, self.device)
+        """Check the settings, load the model, plan memory and set up AdamW."""
+        check_settings(settings, sharded=group is not None)
+        self.settings = settings
+        self.tokenizer = tokenizer or load_tokenizer_if_any(model)
+        trained_rows = token_ids(self.tokenizer, settings.trainable_tokens)  # before loading
+        if settings.seed is not None:
+            torch.manual_seed(settings.seed)  # LoRA's A matrices are initialised at random
+        self.device = torch.device(settings.device or default_device())
+        self.precision = check_precision(settings.precision, self.device)
         self._shards = Shards(group, self.device) if group is not None else None
-        base = load_for_training(model_path_or_model, WEIGHT_DTYPES[self.precision], self.device)
-        self.autocast_bf16 = autocast_bf16 = resolve_autocast(autocast_bf16, precision, self.device)
-        self.packing_mode: PackingMode = choose_packing(base, packing, shared_prefix, autocast_bf16)
-        self.use_lora, self.trainable_tokens = use_lora, tuple(trainable_tokens)
-        self.lora_settings = lora_settings(
-            lora_rank, lora_alpha, lora_dropout, lora_target_modules, trainable_tokens
+        base = load_for_training(model, WEIGHT_DTYPES[self.precision], self.device)
+        self.autocast_bf16 = resolve_autocast(settings.autocast_bf16, self.precision, self.device)
+        self.packing_mode: PackingMode = choose_packing(
+            base, settings.packing, settings.shared_prefix, self.autocast_bf16
         )
-        self.betas, self.weight_decay, self.max_grad_norm = betas, weight_decay, max_grad_norm
-        self.logprob_chunk_tokens = resolve_logprob_chunk_tokens(base, logprob_chunk_tokens)
-        adapter_rank = lora_rank if use_lora else 0  # the memory estimate's: 0 is full weight
-        self.footprint = step_footprint(
-            base, self.device,
-            activation_bytes=2 if autocast_bf16 or self.precision == "bf16" else 4,
-            trained_parameters=trained_parameter_count(base, adapter_rank, lora_target_modules),
-            layer_trained_parameters=trained_parameter_count(
-                base, adapter_rank, lora_target_modules, in_layers=True
-            ),
-            lora_rank=adapter_rank, chunk_tokens=self.logprob_chunk_tokens,
-            reference_copy=reference_model and not use_lora,
-        )  # fmt: skip
+        self.logprob_chunk_tokens = resolve_logprob_chunk_tokens(
+            base, settings.logprob_chunk_tokens
+        )
+        self.footprint = self._step_footprint(base)
         self.batching = resolve_batching(
-            self.footprint, self.device, memory_budget=memory_budget,
-            micro_batch_tokens=micro_batch_tokens, gradient_checkpointing=gradient_checkpointing,
+            self.footprint, self.device, memory_budget=settings.memory_budget,
+            micro_batch_tokens=settings.micro_batch_tokens,
+            gradient_checkpointing=settings.gradient_checkpointing,
             agree=self._shards.agree if self._shards is not None else None,
         )  # fmt: skip
+        self._set_up_model(base, trained_rows)
+        self._version = 0
+        self._optimizer = self._new_optimizer()
+        self._zero_grad()  # no gradients yet
+
+    def _step_footprint(self, base: PreTrainedModel) -> StepFootprint:
+        """What the memory plan estimates a step of this trainer holds (``memory_plan.py``)."""
+        settings = self.settings
+        rank = settings.lora_rank if settings.use_lora else 0  # 0 is full weight
+        targets = settings.lora_target_modules
+        return step_footprint(
+            base, self.device,
+            activation_bytes=2 if self.autocast_bf16 or self.precision == "bf16" else 4,
+            trained_parameters=trained_parameter_count(base, rank, targets),
+            layer_trained_parameters=trained_parameter_count(base, rank, targets, in_layers=True),
+            lora_rank=rank, chunk_tokens=self.logprob_chunk_tokens,
+            reference_copy=settings.reference_model and not settings.use_lora,
+        )  # fmt: skip
+
+    def _set_up_model(self, base: PreTrainedModel, trained_rows: list[int]) -> None:
+        """The KL reference, router replay, LoRA, the scorer and (sharded) FSDP, in that order."""
+        settings, autocast_bf16 = self.settings, self.autocast_bf16
         scorer = functools.partial(
             TokenLogprobs, route=choose_route(base, autocast_bf16),
             chunk_tokens=self.logprob_chunk_tokens, autocast_bf16=autocast_bf16,
         )  # fmt: skip
-        self._reference = (
-            scorer(frozen_copy(base, autocast_bf16)) if reference_model and not use_lora else None
-        )
+        full_reference = settings.reference_model and not settings.use_lora
+        self._reference = scorer(frozen_copy(base, autocast_bf16)) if full_reference else None
         # After the frozen reference's copy: the KL reference routes its own way.
-        self._replay = RouterReplay(base) if router_replay else None
-        self.router_replay = router_replay
+        self._replay = RouterReplay(base) if settings.router_replay else None
         self._stream_checkpointing = use_checkpointing(
-            base, self.batching, self.packing_mode == "shared_prefix", sharded=group is not None
-        )
-        self._model = with_lora(base, self.lora_settings, trained_rows) if use_lora else base
+            base, self.batching, self.packing_mode == "shared_prefix",
+            sharded=self._shards is not None,
+        )  # fmt: skip
+        lora = self.lora_settings
+        self._model = with_lora(base, lora, trained_rows) if settings.use_lora else base
         self._causal_lm = base  # with LoRA, peft injected its layers into this same module
         if autocast_bf16:
             cast_norm_outputs_once(base)  # (after peft: its LoRA layers' own casts go too)
         self._scorer = scorer(base)  # the log-probabilities as one module (FSDP's root)
         if self._shards is not None:  # (the KL reference too)
-            self._shards.shard(self._scorer, base, same_start=use_lora, frozen=self._reference)
+            self._shards.shard(
+                self._scorer, base, same_start=settings.use_lora, frozen=self._reference
+            )
         if self._scorer.route == "head" and frozen_fp32_head(base) is not None:
             # Checked as the scorer checks it: once LoRA froze the head and FSDP wrapped it.
             self.footprint = self.footprint.with_frozen_head()
-        self._has_reference, self._version = reference_model, 0
-        self._optimizer = self._new_optimizer()
-        self._zero_grad()  # no gradients yet
-
-    @classmethod
-    def from_settings(
-        cls,
-        model_path_or_model: str | os.PathLike[str] | PreTrainedModel,
-        settings: TrainerSettings,
-        group: TrainerGroup | None = None,
-    ) -> Trainer:
-        """A trainer built as ``settings`` say (the service factory and the Ray actors):
-        each of its fields is the constructor argument of the same name."""
-        options = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
-        return cls(model_path_or_model, **options, group=group)
 
     # ------------------------------------------------------------ properties
+
+    @property
+    def use_lora(self) -> bool:
+        return self.settings.use_lora
+
+    @property
+    def trainable_tokens(self) -> tuple[str, ...]:
+        return self.settings.trainable_tokens
+
+    @property
+    def router_replay(self) -> bool:
+        return self.settings.router_replay
+
+    @property
+    def lora_settings(self) -> dict[str, Any]:
+        """The adapter's shape and scale as checkpoints record them (``lora.py``)."""
+        s = self.settings
+        return lora_settings(
+            s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_target_modules, s.trainable_tokens
+        )
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -309,7 +284,7 @@ class Trainer:
         same result). Several calls before one ``optim_step`` add their gradients."""
         if not samples:
             raise ValueError("forward_backward needs at least one sample")
-        if loss.kl_beta > 0 and not self._has_reference:
+        if loss.kl_beta > 0 and not self.settings.reference_model:
             raise ValueError("kl_beta > 0 needs a Trainer built with reference_model=True")
         loss_fn = get_loss_fn(loss.loss_type)
         totals = batch_totals(samples)
@@ -341,14 +316,12 @@ class Trainer:
         self._has_grads = True
         self._nonfinite_loss |= not math.isfinite(sums.loss)
         denominator = max(totals.num_tokens, 1e-8)
-        metrics_out = {key: total / denominator for key, total in sums.metric_sums.items()}
-        if self._replay is not None:
-            metrics_out["router/disagreement"] = sums.routed_otherwise / max(
-                sums.routes_recorded, 1
-            )
-            metrics_out["router/replayed_tokens"] = float(sums.routes_recorded)
-        num_tokens = sum(s.num_trained_tokens for s in samples)
-        return ForwardBackwardResult(sums.loss, metrics_out, num_tokens, sums.forwarded_tokens)
+        metrics = {key: total / denominator for key, total in sums.metric_sums.items()}
+        router = RouterCounts(sums.routes_recorded, sums.routed_otherwise)
+        return ForwardBackwardResult(
+            sums.loss, metrics, sum(s.num_trained_tokens for s in samples),
+            sums.forwarded_tokens, router if self._replay is not None else None,
+        )  # fmt: skip
 
     def optim_step(self, learning_rate: float) -> OptimStepResult:
         """Clip gradients, apply AdamW at ``learning_rate`` and bump the version; skip the
@@ -359,7 +332,8 @@ class Trainer:
         if not self._has_grads:
             raise RuntimeError("optim_step needs gradients: call forward_backward first")
         parameters = list(self.trainable_parameters().values())
-        max_norm = self.max_grad_norm if self.max_grad_norm is not None else math.inf
+        max_norm = self.settings.max_grad_norm
+        max_norm = max_norm if max_norm is not None else math.inf
         grad_norm = clip_gradients(parameters, max_norm)
         skipped = self._nonfinite_loss or not math.isfinite(grad_norm)
         if not skipped:
@@ -368,12 +342,7 @@ class Trainer:
             self._optimizer.step()
             self._version += 1
         self._zero_grad()
-        metrics = {
-            "optim/grad_norm": grad_norm,
-            "optim/learning_rate": learning_rate,
-            "optim/skipped": float(skipped),
-        }
-        return OptimStepResult(self._version, grad_norm, skipped, metrics)
+        return OptimStepResult(self._version, grad_norm, skipped, learning_rate)
 
     # ------------------------------------------------------------ weights out
 
@@ -474,9 +443,8 @@ class Trainer:
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         parameters = list(self.trainable_parameters().values())
-        return new_optimizer(
-            parameters, self.precision, betas=self.betas, weight_decay=self.weight_decay
-        )
+        betas, weight_decay = self.settings.betas, self.settings.weight_decay
+        return new_optimizer(parameters, self.precision, betas=betas, weight_decay=weight_decay)
 
     def _zero_grad(self) -> None:
         self._optimizer.zero_grad(set_to_none=True)
@@ -563,6 +531,20 @@ class Trainer:
         if mode != "off":
             return packed_micro_batches(samples, budget, self.device, mode, shared)
         return micro_batches(samples, budget, self.device)
+
+
+def check_settings(settings: TrainerSettings, sharded: bool) -> None:
+    """ValueError for settings no trainer takes, before anything loads."""
+    check_batch_options(
+        settings.micro_batch_tokens, settings.logprob_chunk_tokens,
+        settings.gradient_checkpointing, settings.memory_budget,
+    )  # fmt: skip
+    check_token_rows(settings.trainable_tokens, settings.use_lora, sharded=sharded)
+
+
+def default_device() -> str:
+    """CUDA when present, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def load_for_training(

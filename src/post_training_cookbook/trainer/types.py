@@ -110,16 +110,36 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class RouterCounts:
+    """Router replay's counts over one batch (``trainer/router_replay.py``)."""
+
+    replayed_tokens: int
+    """Tokens the decoder read with a recorded routing (a prefix read once counts once)."""
+    routed_otherwise: int
+    """Of those, tokens whose top-k experts the trainer's own routers would have chosen
+    otherwise in some MoE layer."""
+
+    @property
+    def disagreement(self) -> float:
+        """The share of replayed tokens routed otherwise (0 when sampler and trainer agree)."""
+        return self.routed_otherwise / max(self.replayed_tokens, 1)
+
+
+@dataclass(frozen=True)
 class ForwardBackwardResult:
     loss: float
     """The batch loss (the sum of the micro-batches' shares, each already batch-normalised)."""
     metrics: dict[str, float] = field(default_factory=dict)
+    """The loss's diagnostics (``loss/…``), each a mean over the batch's trained tokens; the
+    counts below are fields, not entries here."""
     num_tokens: int = 0
     """Trained (mask > 0) tokens in the batch."""
     forwarded_tokens: int = 0
     """Token positions the model computed: padding counts, a prefix that samples in one
     micro-batch share counts once. Unlike ``metrics``, it depends on the layout: against
     the samples' own lengths it shows what padding cost and prefix sharing saved."""
+    router: RouterCounts | None = None
+    """With router replay (``TrainerSettings.router_replay``); None without."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +176,8 @@ class OptimStepResult:
     """Total gradient norm before clipping (nan/inf when the step was skipped for that)."""
     skipped: bool
     """True when a non-finite loss or gradient made the step a no-op."""
-    metrics: dict[str, float] = field(default_factory=dict)
+    learning_rate: float
+    """The learning rate the step was given (applied unless ``skipped``)."""
 
 
 def token_rows_problem(tokens: Sequence[str], use_lora: bool, sharded: bool) -> str | None:
@@ -171,43 +192,71 @@ def token_rows_problem(tokens: Sequence[str], use_lora: bool, sharded: bool) -> 
     return None
 
 
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 @dataclass(frozen=True)
 class TrainerSettings:
-    """How the trainer is built: what it trains and how it steps (``Trainer.from_settings``).
+    """What a ``Trainer`` is built with, besides its model: ``Trainer(model, settings)``.
 
-    Defaults are ``Trainer``'s own; ``GRPOConfig`` fields of the same names set them for a run.
+    ``GRPOConfig`` and ``SFTConfig`` fields of the same names set them for a run
+    (``runs/models.trainer_settings``); a recorded batch keeps them. Memory formulas and a
+    table per model size: ``docs/models.md``.
     """
 
+    # ---- what trains: full weight, or a LoRA adapter (``trainer/lora.py``)
     use_lora: bool = True
     lora_rank: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
+    lora_target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
     trainable_tokens: tuple[str, ...] = ()
-    """With LoRA: tokens whose embedding and LM-head rows train in full (``token_rows.py``)."""
+    """With LoRA: tokens, as the vocabulary spells them, whose embedding and LM-head rows
+    train in full beside the adapter (``token_rows.py``)."""
+
+    # ---- the optimizer: AdamW (the learning rate comes with each ``optim_step``)
     weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = 1.0
     """None turns clipping off."""
+
+    # ---- precision (``trainer/precision.py``)
+    precision: Precision = "fp32"
+    """``"fp32"``, or ``"bf16"`` weights and gradients with an fp32 master copy and moments
+    in the optimizer."""
+    autocast_bf16: bool | None = None
+    """None: bf16 autocast where the hardware makes it fast (with fp32 weights)."""
+
+    # ---- micro-batches and memory (``trainer/memory_plan.py``, ``trainer/packing.py``)
     micro_batch_tokens: int | None = 4096
-    """Tokens of a micro-batch; None: from the memory plan (``trainer/memory_plan.py``)."""
+    """A micro-batch's padded size (rows × longest row), or with packing a stream's tokens; a
+    longer sample gets its own, and rows under 3/4 of a micro-batch's longest start another.
+    None: from the memory plan."""
     gradient_checkpointing: bool | None = False
-    """None: from the memory plan."""
+    """Recompute each decoder layer in backward (off: small models on a CPU are short of
+    time, not memory). None: from the memory plan."""
     memory_budget: float = 0.5
     """Share of the device's free memory the memory plan may fill with activations."""
     logprob_chunk_tokens: int | Literal["auto"] | None = "auto"
     """Trained positions whose vocabulary-sized log-softmax exists at once (None: all;
     ``"auto"``: sized by the vocabulary, ``memory_plan.auto_logprob_chunk_tokens``)."""
-    precision: Precision = "fp32"
-    reference_model: bool = False
-    """Keep the initial policy for the KL term (needed by ``kl_beta > 0``)."""
     packing: bool = True
-    """Micro-batches as token streams without padding (``trainer/packing.py``), where exact."""
+    """Micro-batches as token streams without padding, on only for models where that is
+    exact (Gated DeltaNet hybrids included, ``linear_attention.py``)."""
     shared_prefix: bool = True
     """With packing, forward each prefix that samples share once (a group's prompt)."""
-    autocast_bf16: bool | None = None
-    """None: bf16 autocast where the hardware makes it fast."""
+
+    # ---- the loss's needs
+    reference_model: bool = False
+    """Keep the initial policy for the KL term (needed by ``kl_beta > 0``): a frozen copy for
+    full weight, the base with the adapter disabled for LoRA (no copy)."""
+    router_replay: bool = False
+    """MoE models: route each token a sample's ``routed_experts`` records through those
+    experts (``trainer/router_replay.py``; a ValueError for a model without MoE routers it
+    knows, ``models/moe_routing.py``)."""
+
+    # ---- where and from what seed
     seed: int | None = None
+    """Seeds torch before the model loads (LoRA's A matrices are initialised at random)."""
     device: str | None = None
     """``"cpu"``, ``"cuda"``, ``"cuda:1"`` ...; None: CUDA when present, else the CPU."""
-    router_replay: bool = False
-    """MoE models: the generators record the experts each token went to, and the trainer's
-    forward routes each recorded token through them (``trainer/router_replay.py``)."""
