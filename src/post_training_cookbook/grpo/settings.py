@@ -199,7 +199,6 @@ def grpo_trainer_settings(config: GRPOConfig) -> TrainerSettings:
     """The trainer the run builds (a recorded batch, ``grpo/recorded_batch.py``, keeps it)."""
     return trainer_settings(
         config,
-        memory_budget=config.memory_budget,
         reference_model=config.kl_beta > 0,
         packing=config.trainer_packing != "off",
         shared_prefix=config.trainer_packing == "shared_prefix",
