@@ -1,18 +1,21 @@
 """``GRPOConfig``: every setting of a GRPO run, validated when the config is built.
 
-One dataclass serves both entry points (``train_multi_turn`` and ``train_single_turn``).
+One dataclass serves both entry points (``train_multi_turn`` and ``train_single_turn``). It
+holds the sections every loop's config shares (model and precision, sampling, optimiser and
+schedule, checkpoints, logging, limits, scale-out; defined once in ``runs/sections.py``) and,
+below them, only GRPO's own fields. A flat name (``GRPOConfig(lora_rank=32)``,
+``config.lora_rank``) reaches its section's field (``runs/composed.py`` states the rule).
 Each field is documented once, in the docstring right under it, and states its own rules
 (``setting(default, *rules)``, see ``validation``). ``docs/grpo_config.md`` shows the same
-fields as a table, and a test keeps the two in sync. The loop cuts the config into the
-settings of each layer once, in ``grpo/settings.py``; nothing below the loop sees it.
+fields as tables, by section, and a test keeps the two in sync. The loop cuts the config into
+the settings of each layer once, in ``grpo/settings.py``; nothing below the loop sees it.
 
 Building a config never loads or resolves the model: ``model`` may be a hub id that exists
 only on the machine that trains. Checks that need the model (generator support, context
 length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
-again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 80 fields, each documented once, right under it (a test keeps the count).
+again. This module imports neither torch nor wandb.
 """
 
 from __future__ import annotations
