@@ -213,3 +213,14 @@ def test_a_bad_key_stops_the_cli_before_any_model_loads(tmp_path, monkeypatch, c
     )
     assert main(["train", str(path)]) == 2
     assert "did you mean 'optimizer.lora_rank'" in capsys.readouterr().err
+
+
+def test_a_config_pickles_and_its_dict_is_what_wandb_logs() -> None:
+    import copy
+    import json
+    import pickle
+
+    config = GRPOConfig(lora_rank=8, teacher="some/teacher")
+    assert pickle.loads(pickle.dumps(config)) == config == copy.deepcopy(config)
+    logged = json.loads(json.dumps(config.to_dict()))  # W&B's config: nested, plain values
+    assert logged["optimizer"]["lora_rank"] == 8 and logged["teacher"]["source"] == "some/teacher"
