@@ -23,9 +23,8 @@ import enum
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, get_type_hints
 
 import yaml
 
@@ -46,6 +45,21 @@ if TYPE_CHECKING:
     from os import PathLike
 
 C = TypeVar("C", bound="ComposedConfig")
+T = TypeVar("T")
+
+
+def per_class(function: Callable[[type], T]) -> Callable[[type], T]:
+    """``function`` of a class, computed once per class (what the class's fields say does
+    not change)."""
+    memo: dict[type, T] = {}
+
+    @functools.wraps(function)
+    def cached(cls: type) -> T:
+        if cls not in memo:
+            memo[cls] = function(cls)
+        return memo[cls]
+
+    return cached
 
 
 class ComposedConfig:
@@ -174,24 +188,24 @@ def compose(cls: type[C]) -> type[C]:
     def init(self: C, *args: Any, **settings: Any) -> None:
         dataclass_init(self, *args, **route(type(self), settings))
 
-    cls.__init__ = init  # type: ignore[method-assign]
+    cls.__init__ = init  # type: ignore[method-assign, assignment]
     return cls
 
 
-@cache
-def sections(cls: type) -> dict[str, type[Section]]:
+@per_class
+def sections(cls: type) -> dict[str, Any]:
     """Section field name → its section type, in field order."""
     hints = get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.metadata.get("section")}
 
 
-@cache
+@per_class
 def own_types(cls: type) -> dict[str, Any]:
     hints = get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name not in sections(cls)}
 
 
-@cache
+@per_class
 def routes(cls: type) -> dict[str, str]:
     """Flat name → the section that holds it. Raises ``TypeError`` on a name defined twice."""
     table: dict[str, str] = {}
@@ -213,7 +227,8 @@ def paths(cls: type) -> list[str]:
 def loop_default(cls: type, name: str) -> Section:
     """The loop's default for section ``name``."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default_factory()  # type: ignore[misc, no-any-return]
+    factory = cast(Callable[[], Section], f.default_factory)
+    return factory()
 
 
 def route(cls: type, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -239,7 +254,7 @@ def route(cls: type, settings: Mapping[str, Any]) -> dict[str, Any]:
             raise_if_any(bad, cls.config_name)  # type: ignore[attr-defined]
             flat = {**given, **flat}
             given = None
-        base = loop_default(cls, name) if given is None else given
+        base: Any = loop_default(cls, name) if given is None else given
         routed[name] = (
             dataclasses.replace(base, **flat) if isinstance(base, kind) and flat else base
         )
@@ -306,16 +321,15 @@ def unknown_key(cls: type, key: str, *, flat: bool = False) -> str:
     else:
         flat = difflib.get_close_matches(field if dot else key, [*table, *own_types(cls)], n=1)
         close = difflib.get_close_matches(key, paths(cls), n=1)
-        guess = (
-            f"{table[flat[0]]}.{flat[0]}"
-            if flat and flat[0] in table
-            else (flat or close or [None])[0]
-        )
+        if flat and flat[0] in table:
+            guess = f"{table[flat[0]]}.{flat[0]}"
+        else:
+            guess = next(iter(flat or close), None)
     hint = f" (did you mean {guess!r}?)" if guess else ""
     return f"unknown {getattr(cls, 'config_name', cls.__name__)} key {key!r}{hint}"
 
 
-@cache
+@per_class
 def _names(kind: type) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(kind))
 

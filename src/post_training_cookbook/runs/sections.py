@@ -72,13 +72,17 @@ S = TypeVar("S", bound=Section)
 
 def section(default: S) -> S:
     """A loop config's field that holds a section, with the loop's defaults for it."""
-    return dataclasses.field(  # type: ignore[no-any-return]
-        default_factory=lambda: default, metadata={"section": True}
-    )
+    return dataclasses.field(default_factory=lambda: default, metadata={"section": True})
 
 
 def section_types(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
+    """A section's field types (resolved once per section)."""
+    if cls not in _TYPES:
+        _TYPES[cls] = get_type_hints(cls)
+    return _TYPES[cls]
+
+
+_TYPES: dict[type, dict[str, Any]] = {}
 
 
 @dataclass(frozen=True)
