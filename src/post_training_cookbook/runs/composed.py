@@ -314,17 +314,19 @@ def unknown_key(cls: type, key: str, *, flat: bool = False) -> str:
     (``flat``: as a keyword argument names it)."""
     _, dot, field = key.partition(".")
     table = routes(cls)
+    names = [*table, *own_types(cls)]
+    guess: str | None
     if flat:
-        guess = next(iter(difflib.get_close_matches(key, [*table, *own_types(cls)], n=1)), None)
+        guess = next(iter(difflib.get_close_matches(key, names, n=1)), None)
     elif dot and field in table:
-        guess: str | None = f"{table[field]}.{field}"
+        guess = f"{table[field]}.{field}"
     else:
-        flat = difflib.get_close_matches(field if dot else key, [*table, *own_types(cls)], n=1)
-        close = difflib.get_close_matches(key, paths(cls), n=1)
-        if flat and flat[0] in table:
-            guess = f"{table[flat[0]]}.{flat[0]}"
+        close_name = difflib.get_close_matches(field if dot else key, names, n=1)
+        close_path = difflib.get_close_matches(key, paths(cls), n=1)
+        if close_name and close_name[0] in table:
+            guess = f"{table[close_name[0]]}.{close_name[0]}"
         else:
-            guess = next(iter(flat or close), None)
+            guess = next(iter(close_name or close_path), None)
     hint = f" (did you mean {guess!r}?)" if guess else ""
     return f"unknown {getattr(cls, 'config_name', cls.__name__)} key {key!r}{hint}"
 
