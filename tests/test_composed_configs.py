@@ -224,3 +224,13 @@ def test_a_config_pickles_and_its_dict_is_what_wandb_logs() -> None:
     assert pickle.loads(pickle.dumps(config)) == config == copy.deepcopy(config)
     logged = json.loads(json.dumps(config.to_dict()))  # W&B's config: nested, plain values
     assert logged["optimizer"]["lora_rank"] == 8 and logged["teacher"]["source"] == "some/teacher"
+
+
+def test_the_snippet_of_docs_grpo_config_md_runs(tmp_path, monkeypatch) -> None:
+    docs = Path(__file__).resolve().parents[1] / "docs" / "grpo_config.md"
+    snippet = docs.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exec(compile(snippet, str(docs), "exec"), {})
+    assert "optimizer:" in (tmp_path / "my_run.yaml").read_text()
