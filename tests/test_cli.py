@@ -121,12 +121,12 @@ def test_train_runs_the_tool_use_game_from_a_yaml_with_an_env_section(capsys, tm
     config = write_config(
         tmp_path / "run.yaml", tmp_path, "game", env, episodes_per_task=2, validation_interval=0
     )  # validation would play all 260 validation tasks
-    status, out, err = run_cli(capsys, "train", config, "--set", "num_steps=1")
+    status, out, err = run_cli(capsys, "train", config, "--set", "optimizer.num_steps=1")
     run = tmp_path / "game"
     assert status == 0, err
     assert f"run: {run}" in out
     assert (run / "final_model" / "config.json").is_file()
-    assert yaml.safe_load((run / "config.yaml").read_text())["num_steps"] == 1
+    assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["num_steps"] == 1
     assert (run / "rollouts" / "train_step_000000.jsonl").is_file()
 
 
@@ -409,7 +409,7 @@ def test_the_yaml_of_docs_cli_md_loads_as_a_config_and_an_env_section(tmp_path):
     block, mixture_section = blocks[0], blocks[1]  # blocks[2]: sft (test_sft_demonstrations)
     path = tmp_path / "calculator.yaml"
     path.write_text(block)
-    config, env = load_train_config(path, ["num_steps=2"])
+    config, env = load_train_config(path, ["optimizer.num_steps=2"])
     assert config.learning_rate == 1e-4 and config.wandb_project is None
     assert config.num_steps == 2
     assert env == {

@@ -200,10 +200,44 @@ def test_a_resume_that_changes_settings_keeps_the_runs_earlier_config(
     earlier = (run_dir / "config.yaml").read_text()
     capsys.readouterr()
     run_resumable(tiny_llama_dir, tmp_path, "run", resume=True, num_steps=4, checkpoint_interval=1)
-    assert "resume: changed num_steps 3 → 4, runs_dir " in capsys.readouterr().out
+    assert "resume: changed optimizer.num_steps 3 → 4, checkpoints.runs_dir " in (
+        capsys.readouterr().out
+    )
     assert (run_dir / "config.before_step_000003.yaml").read_text() == earlier
     assert "num_steps: 4" in (run_dir / "config.yaml").read_text()
     assert metric_steps(run_dir) == [0, 1, 2, 3]
+
+
+OLD_FLAT_CONFIG = Path(__file__).parent / "data" / "flat_config_before_sections.yaml"
+
+
+def test_a_run_saved_with_a_flat_config_yaml_before_the_sections_still_resumes(
+    tiny_llama_dir, finished_run, tmp_path, capsys
+):
+    """config.yaml as main wrote it before the sections (every field flat): the resume
+    loads it with a warning naming the new keys, compares the fields that must match, and
+    writes the config back nested."""
+    run_dir = copy_of(finished_run, tmp_path)
+    flat = OLD_FLAT_CONFIG.read_text()
+    flat = flat.replace("MODEL_DIR", str(tiny_llama_dir)).replace("RUNS_DIR", str(tmp_path))
+    (run_dir / "config.yaml").write_text(flat)
+    capsys.readouterr()
+    with pytest.warns(DeprecationWarning, match="`lora_rank` is now `optimizer.lora_rank`"):
+        run_resumable(
+            tiny_llama_dir, tmp_path, "run", resume=True, num_steps=4, checkpoint_interval=1
+        )
+    assert "resume: changed optimizer.num_steps 3 → 4" in capsys.readouterr().out
+    assert (run_dir / "config.before_step_000003.yaml").read_text() == flat
+    saved = (run_dir / "config.yaml").read_text()
+    assert "optimizer:\n" in saved and "\nlora_rank:" not in saved
+    assert metric_steps(run_dir) == [0, 1, 2, 3]
+    other = tmp_path / "other"
+    flat_other = OLD_FLAT_CONFIG.read_text().replace("MODEL_DIR", str(tiny_llama_dir))
+    (copy_of(finished_run, other) / "config.yaml").write_text(
+        flat_other.replace("RUNS_DIR", str(other))
+    )
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="lora_rank=16 in the"):
+        run_resumable(tiny_llama_dir, other, "run", resume=True, num_steps=4, lora_rank=8)
 
 
 # ---------------------------------------------------------------- kill -9

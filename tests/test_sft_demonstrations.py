@@ -106,7 +106,9 @@ def test_the_sft_command_trains_from_a_yaml_file(tiny_llama_dir, tmp_path, capsy
     train, val = demonstration_files(tmp_path)
     config = tmp_path / "sft.yaml"
     write_config(config, tiny_llama_dir, {"train": train, "val": val}, runs_dir=tmp_path / "runs")
-    status = main(["sft", str(config), "--set", "num_steps=2", "--set", "run_name=cli"])
+    status = main(
+        ["sft", str(config), "--set", "optimizer.num_steps=2", "--set", "checkpoints.run_name=cli"]
+    )
     assert status == 0, capsys.readouterr().err
     run = tmp_path / "runs" / "cli"
     assert (run / "final_model" / "config.json").is_file()
@@ -140,6 +142,6 @@ def test_the_sft_yaml_of_docs_cli_md_loads(tmp_path, monkeypatch):
     for name in ("train", "val"):
         (tmp_path / "demos" / f"{name}.jsonl").write_text("")
     (tmp_path / "sft.yaml").write_text(block)
-    config, train, val = load_sft_config(tmp_path / "sft.yaml", ["num_steps=2"])
+    config, train, val = load_sft_config(tmp_path / "sft.yaml", ["optimizer.num_steps=2"])
     assert config.run_name == "warm-start" and config.num_steps == 2
     assert (train, val) == (Path("demos/train.jsonl"), Path("demos/val.jsonl"))

@@ -93,15 +93,19 @@ def _add_train(subparsers: Any) -> None:
         subparsers,
         "train",
         "Train with GRPO (train_multi_turn) from a YAML config.",
-        "The YAML holds GRPOConfig fields plus an 'env:' section:\n\n"
-        "  model: post-training-cookbook/tool-use-tiny\n"
-        "  num_steps: 20\n"
-        "  wandb_project: null\n"
+        "The YAML holds GRPOConfig fields, one mapping per section (docs/grpo_config.md),\n"
+        "plus an 'env:' section:\n\n"
+        "  base:\n"
+        "    model: post-training-cookbook/tool-use-tiny\n"
+        "  optimizer:\n"
+        "    num_steps: 20\n"
+        "  logging:\n"
+        "    wandb_project: null\n"
         "  env:\n"
         f"    factory: {DEFAULT_ENV}\n"
         "    tasks: post_training_cookbook.envs.tool_use_game:TOOL_USE_GAME_TRAIN_TASKS\n"
         f"    val_tasks: {DEFAULT_TASKS}\n\n"
-        "example: %(prog)s run.yaml --set num_steps=2 --set run_name=smoke",
+        "example: %(prog)s run.yaml --set optimizer.num_steps=2 --set checkpoints.run_name=smoke",
     )
     parser.add_argument("config", type=Path, help="YAML file: GRPOConfig fields + env section")
     parser.add_argument(
@@ -110,7 +114,8 @@ def _add_train(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override a GRPOConfig field (VALUE read as YAML); repeatable",
+        help="override a GRPOConfig field, by its path (optimizer.lora_rank=32) or own name "
+        "(batch_size=4); VALUE read as YAML; repeatable",
     )
     parser.set_defaults(run=commands.run_train)
 

@@ -88,15 +88,18 @@ def add_sft(subparsers: Any, command: Any) -> None:
         subparsers,
         "sft",
         "Supervised fine-tuning (train_sft) on JSONL conversations from a YAML config.",
-        "The YAML holds SFTConfig fields (docs/sft.md) plus a 'data:' section:\n\n"
-        "  model: post-training-cookbook/tool-use-tiny\n"
+        "The YAML holds SFTConfig fields, one mapping per section (docs/sft.md), plus a\n"
+        "'data:' section:\n\n"
+        "  base:\n"
+        "    model: post-training-cookbook/tool-use-tiny\n"
         "  num_epochs: 2\n"
-        "  wandb_project: null\n"
+        "  logging:\n"
+        "    wandb_project: null\n"
         "  data:\n"
         "    train: demos/train.jsonl\n"
         "    val: demos/val.jsonl\n\n"
         'One conversation a line: {"messages": [...], "tools": [...]} (OpenAI format).\n'
-        "example: %(prog)s sft.yaml --set num_steps=2 --set run_name=smoke",
+        "example: %(prog)s sft.yaml --set optimizer.num_steps=2 --set checkpoints.run_name=smoke",
     )
     parser.add_argument("config", type=Path, help="YAML file: SFTConfig fields + data section")
     parser.add_argument(
@@ -105,6 +108,7 @@ def add_sft(subparsers: Any, command: Any) -> None:
         action="append",
         default=[],
         metavar="FIELD=VALUE",
-        help="override an SFTConfig field (VALUE read as YAML); repeatable",
+        help="override an SFTConfig field, by its path (optimizer.lora_rank=32) or own name "
+        "(num_epochs=2); VALUE read as YAML; repeatable",
     )
     parser.set_defaults(run=run_sft)

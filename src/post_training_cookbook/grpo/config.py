@@ -1,31 +1,30 @@
 """``GRPOConfig``: every setting of a GRPO run, validated when the config is built.
 
-One dataclass serves both entry points (``train_multi_turn`` and ``train_single_turn``).
+One dataclass serves both entry points (``train_multi_turn`` and ``train_single_turn``). It
+holds the sections every loop's config shares (model and precision, sampling, optimiser and
+schedule, checkpoints, logging, limits, scale-out; defined once in ``runs/sections.py``) and,
+below them, only GRPO's own fields. A flat name (``GRPOConfig(lora_rank=32)``,
+``config.lora_rank``) reaches its section's field (``runs/composed.py`` states the rule).
 Each field is documented once, in the docstring right under it, and states its own rules
 (``setting(default, *rules)``, see ``validation``). ``docs/grpo_config.md`` shows the same
-fields as a table, and a test keeps the two in sync. The loop cuts the config into the
-settings of each layer once, in ``grpo/settings.py``; nothing below the loop sees it.
+fields as tables, by section, and a test keeps the two in sync. The loop cuts the config into
+the settings of each layer once, in ``grpo/settings.py``; nothing below the loop sees it.
 
 Building a config never loads or resolves the model: ``model`` may be a hub id that exists
 only on the machine that trains. Checks that need the model (generator support, context
 length, full-weight support) run when the run starts, before any weights load.
 
 The config is frozen. To change a field, use ``dataclasses.replace``, which validates
-again. This module imports neither torch nor wandb. It is over 400 lines because it is one
-dataclass of 80 fields, each documented once, right under it (a test keeps the count).
+again. This module imports neither torch nor wandb.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_type_hints
-
-import yaml
+from typing import Any, ClassVar, Literal
 
 from post_training_cookbook.distill.config import (
     FLAT_TEACHER_NAMES,
@@ -35,14 +34,11 @@ from post_training_cookbook.distill.config import (
 from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnRewards
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
-    FITS_CONTEXT,
     IN_0_1_CLOSED,
     IN_FLIGHT_NEEDS_ASYNC,
     IN_UNIT_INTERVAL,
-    TOP_P,
     WHY_GROUP,
     WHY_OFF_POLICY,
-    a_temperature,
     deferred_sync_needs_async,
     discount_needs_per_step,
     groups_in_flight_bound,
@@ -57,101 +53,89 @@ from post_training_cookbook.grpo.validation import (
     transport_on_ray,
     vllm_only,
 )
-from post_training_cookbook.models import BUNDLED_MODEL_ID
 from post_training_cookbook.rollout.types import EnvErrorPolicy
+from post_training_cookbook.runs.composed import ComposedConfig, compose
 from post_training_cookbook.runs.config import (
-    IN_0_1,
-    RAY_ADDRESS_NEEDS_RAY,
     ConfigYamlLoader,
-    Dtype,
-    LRSchedule,
-    admits_float,
     at_least,
     at_most,
     at_most_field,
-    device_name,
-    device_on_local,
-    folder_name,
     gpus_on_ray,
     holds,
-    is_int,
-    matches,
     model_short_name,
     non_negative,
-    on_ray,
     only_when,
     positive,
-    raise_if_any,
-    resume_needs_run_name,
     setting,
-    sharded_trainer_on_ray,
-    token_rows_with_lora,
-    tuples_from_lists,
-    type_problem,
-    unknown_key,
-    value_problems,
+)
+from post_training_cookbook.runs.sections import (
+    CheckpointSettings,
+    LimitSettings,
+    LoggingSettings,
+    ModelSettings,
+    OptimizerSettings,
+    SamplingSettings,
+    ScaleOutSettings,
+    section,
 )
 from post_training_cookbook.service.types import (
-    Backend,
     GenerationEngine,
     WeightSyncType,
     WeightTransport,
 )
-from post_training_cookbook.trainer.types import LossType, PackingMode, Precision
+from post_training_cookbook.trainer.types import LossType, PackingMode
 
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-    from os import PathLike
+ConfigYamlLoader = ConfigYamlLoader  # the CLI reads YAML with it
 
 __all__ = ["GRPOConfig", "TeacherConfig", "WeightSyncType"]
 
 
+@compose
 @dataclass(frozen=True)
-class GRPOConfig:
-    """Every setting of a GRPO run. Field table and validation rules: docs/grpo_config.md."""
+class GRPOConfig(ComposedConfig):
+    """Every setting of a GRPO run: the shared sections (``runs/sections.py``), then GRPO's
+    own fields. Flat names (``GRPOConfig(lora_rank=32)``, ``config.lora_rank``) reach a
+    section's field (``runs/composed.py``). Field table and rules: docs/grpo_config.md."""
 
-    # Hosted guide fields: the core settings the hosted guide's examples pass.
-    model: str = BUNDLED_MODEL_ID
-    """A catalog id (``models.list_models()``) or a local Hugging Face folder. The default,
-    the bundled tool-use model, runs on a CPU and needs no download."""
+    config_name: ClassVar[str] = "GRPOConfig"
+    legacy_keys: ClassVar[frozenset[str]] = frozenset(FLAT_TEACHER_NAMES)
+    """The flat distillation names of an old config.yaml (``nest_flat_teacher_names``)."""
+    docs: ClassVar[str] = "fields in docs/grpo_config.md"
+
+    # The sections every loop's config holds, with GRPO's defaults.
+    base: ModelSettings = section(ModelSettings())
+    """Model and precision: ``model``, ``codec``, ``dtype``, ``device``,
+    ``trainer_precision``."""
+    sampling: SamplingSettings = section(SamplingSettings())
+    """``max_tokens_per_turn``, ``temperature``, ``top_p``, ``val_temperature``."""
+    optimizer: OptimizerSettings = section(OptimizerSettings())
+    """Optimiser and schedule: ``learning_rate``, ``num_steps``, warmup, LoRA."""
+    checkpoints: CheckpointSettings = section(CheckpointSettings())
+    """The run's folder, seed, checkpoints and resume."""
+    logging: LoggingSettings = section(LoggingSettings())
+    """``wandb_project``, ``validation_interval``."""
+    limits: LimitSettings = section(LimitSettings())
+    """``max_model_length`` and a training step's memory limits."""
+    scale_out: ScaleOutSettings = section(ScaleOutSettings())
+    """The trainer's backend, Ray and workers (the generators' are GRPO's own, below)."""
+
+    # GRPO's own: the hosted guide's core settings
     batch_size: int = setting(8, at_least(1))
     """Tasks per optimizer step. Each task contributes one group."""
     episodes_per_task: int = setting(8, at_least(2, WHY_GROUP))
     """Group size: episodes sampled per task. Their mean reward is each one's baseline."""
-    num_steps: int = setting(100, at_least(1))
-    """Optimizer steps in the run."""
     max_turns: int = setting(6, at_least(1))
     """Assistant turns per episode. An episode that reaches it ends as ``MAX_TURNS``."""
-    max_model_length: int = setting(2048, at_least(1))
-    """Tokens per episode: prompt, every turn and tool results. A turn that cannot fit ends
-    the episode as ``CONTEXT_OVERFLOW``."""
-    learning_rate: float = setting(1e-5, positive)
-    """Peak learning rate, reached after ``warmup_steps``, then shaped by ``lr_schedule``."""
     max_sampling_attempts: int = setting(1, at_least(1))
     """Dynamic sampling: up to this many sampling rounds per step to fill the batch with
     groups whose rewards vary (1 = a single round)."""
-    wandb_project: str | None = "post-training-cookbook"
-    """W&B project to log to (``WANDB_MODE=offline`` logs locally). None turns W&B off, and
-    nothing of wandb is imported."""
-    use_lora: bool = True
-    """Train a LoRA adapter, as the hosted service does. False trains every weight."""
     overlong_masking: bool = False
     """Build no samples from truncated episodes of any cause. Their rewards still count in
     the group baseline."""
     failed_parse_reward: float = 0.0
     """Reward of an episode whose sampled message could not be parsed (``PARSE_FAILURE``)."""
 
-    # Model and LoRA
-    dtype: Dtype | None = None
-    """The generators' weights dtype. None takes the catalog's default for the model
-    (float32 for the bundled model), or a local folder's ``torch_dtype``. The trainer's
-    weights follow ``trainer_precision``."""
-    device: str = setting("auto", device_name, device_on_local)
-    """Where the trainer and generators compute, together (``backend="local"``):
-    ``"auto"`` (CUDA when present, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
-    codec: str | None = None
-    """Codec name (``"hermes"``, ``"qwen3.8"``, ``"template"`` ...; docs/models.md). None takes
-    the catalog's, or infers it from a local folder's chat template."""
+    # Codec options (checked against the model's codec before loading)
     enable_thinking: bool | None = None
     """Thinking on or off, for codecs that have it (qwen3, qwen3.5, qwen3.6, qwen3.8; the
     template codec if its template reads it). None: the codec's default. Off forces an empty
@@ -166,28 +150,8 @@ class GRPOConfig:
     reasoning_effort: str | None = None
     """Qwen3.8's reasoning effort (``"xhigh"``, its default, or ``"medium"``, ``"low"``), or
     a template codec's. None: the codec's default. Checked against the codec before loading."""
-    lora_rank: int = setting(16, at_least(1), at_most(4096, "LoRA ranks are tens to hundreds"))
-    """LoRA rank r (with ``use_lora``)."""
-    lora_alpha: int = setting(32, at_least(1))
-    """LoRA scale: the adapter's update is multiplied by ``lora_alpha / lora_rank``."""
-    lora_dropout: float = setting(0.0, holds(lambda v: 0 <= v < 1, IN_0_1))
-    """Dropout on the LoRA input, in [0, 1)."""
-    trainable_tokens: tuple[str, ...] = setting((), token_rows_with_lora)
-    """With ``use_lora``: tokens, as the vocabulary spells them (``"<tool_call>"``), whose
-    embedding and LM-head rows train in full beside the adapter. For special tokens the base
-    model never trained, which LoRA cannot move (``docs/lora.md``). Checked against the
-    tokenizer before the model loads."""
 
-    # Sampling and limits
-    max_tokens_per_turn: int = setting(
-        256, at_least(1), at_most_field("max_model_length", FITS_CONTEXT)
-    )
-    """Tokens sampled per assistant turn. A turn cut there is parsed as it is."""
-    temperature: float = setting(1.0, a_temperature)
-    """Sampling temperature of training rollouts: 0 (greedy, which gives every group zero
-    reward variance) or at least 1e-3 (lower ones overflow the logits into NaN)."""
-    top_p: float = setting(1.0, holds(lambda v: 1e-6 <= v <= 1, TOP_P))
-    """Nucleus sampling mass, in [1e-6, 1]. 1 keeps the whole distribution."""
+    # Overlong penalty
     overlong_buffer_length: int = setting(
         256, at_least(0), at_most_field("max_model_length", BUFFER_ADVICE, strictly=True)
     )
@@ -229,45 +193,6 @@ class GRPOConfig:
     longest trained span."""
 
     # Optimisation
-    lr_schedule: LRSchedule = "constant"
-    """Learning rate after warmup: ``"constant"``, or a ``"linear"`` / ``"cosine"`` decay to
-    0 at ``num_steps``."""
-    warmup_steps: int = setting(0, at_least(0), at_most_field("num_steps", ""))
-    """Steps of linear warmup from ``learning_rate / warmup_steps`` up to
-    ``learning_rate``."""
-    max_grad_norm: float = setting(1.0, positive)
-    """Gradients are clipped to this total norm."""
-    weight_decay: float = setting(0.0, non_negative)
-    """AdamW weight decay."""
-    micro_batch_tokens: int | None = setting(None, at_least(1, or_none=True))
-    """Tokens per forward/backward micro-batch: of its stream when packed
-    (``trainer_packing``), else padded (episodes under 3/4 of a micro-batch's longest go to
-    another, so padding stays under a quarter). A longer episode gets one alone. Bounds
-    memory, not the result. None: 2048 on a CPU (no slower a token than larger ones, and
-    less memory), 8192 on a GPU, or less where that does not fit ``memory_budget``; a
-    stream of episodes sharing a prompt may then grow to the largest micro-batch that fits
-    (up to 8192), so that a group stays together (logged once; docs/performance.md)."""
-    gradient_checkpointing: bool | None = None
-    """Recompute each decoder layer's activations in backward instead of keeping them (one
-    more decoder forward a step). None: on only where the default micro-batch's activations
-    (2048 tokens on a CPU, 8192 on a GPU) would not fit ``memory_budget`` without it (the
-    bundled model's always do); a stream of episodes sharing a prompt that holds more tokens
-    than the padded rows of its episodes would at once then checkpoints just enough of its
-    layers to keep about their memory. docs/models.md, Memory."""
-    memory_budget: float = setting(
-        0.5, holds(lambda v: 0 < v <= 1, "{name} must be in (0, 1], got {value}")
-    )
-    """Share of the device's free memory (after the weights load) that a training step may
-    add, where ``micro_batch_tokens`` or ``gradient_checkpointing`` is None: the trained
-    weights' gradients and AdamW moments, and one micro-batch's activations, autocast weight
-    copies and log-probability chunk (on a CPU as the heap holds them;
-    ``trainer/memory_plan.py``, docs/performance.md)."""
-    logprob_chunk_tokens: int | Literal["auto"] | None = setting("auto", at_least(1, or_none=True))
-    """Trained positions whose vocabulary-sized log-softmax exists at once; a micro-batch
-    with more recomputes its LM head per chunk in backward. None: a micro-batch's all at
-    once; ``"auto"``: as many as 64 MiB of fp32 logits hold, a power of two from 64 to
-    1,024 (256 for a 49k vocabulary, 64 for Qwen's 152k; logged). Bounds memory, not the
-    result."""
     trainer_packing: PackingMode = "shared_prefix"
     """How micro-batches are laid out: ``"shared_prefix"``, one token stream without
     padding where each prefix the episodes share (a group's prompt, turns they agree on) is
@@ -278,10 +203,6 @@ class GRPOConfig:
     layers: Qwen3-Next, Mamba and kin) keep padded rows, said once in the log. A sharded
     trainer balances packed micro-batches across its ranks by the tokens each processes, a
     group's episodes on one rank where they fit."""
-    trainer_precision: Precision = "fp32"
-    """The trainer's weights: ``"fp32"`` (weights, gradients, AdamW state), or ``"bf16"``
-    (bf16 weights and gradients, an fp32 master copy and moments in the optimizer). bf16
-    halves frozen weights (the LoRA base); full-weight training holds the same bytes."""
     router_replay: bool = setting(False, replay_needs_torch_engine)
     """Mixture-of-experts models (Qwen3-MoE, Qwen3.5-MoE, ...): the torch engine records which
     experts each MoE layer's router chose for every token it read (prompt and sampled), and
@@ -324,9 +245,6 @@ class GRPOConfig:
         1, at_least(1), at_most(1024, "each replica holds a copy of the model")
     )
     """Generator replicas that sample rollouts."""
-    backend: Backend = "local"
-    """Where the trainer and generators run: in this process, or as Ray actors (extra
-    ``scale``; docs/scale_out.md)."""
     generation_engine: GenerationEngine | Literal["auto"] = setting(
         "auto", one_vllm_engine_per_process
     )
@@ -340,22 +258,10 @@ class GRPOConfig:
     prefix a later prompt reuses), least recently used first out. None: a share of the
     device's memory (1/16 of the machine's RAM, at most 2 GiB, on CPU; 1/10 of a GPU's). 0
     keeps none. vLLM manages its own KV cache."""
-    ray_address: str | None = setting(None, only_when(on_ray, RAY_ADDRESS_NEEDS_RAY))
-    """Ray cluster to join (``host:port``); None starts a local, loopback-only Ray."""
     weight_sync_timeout_s: float = setting(600.0, positive)
     """A weight publication that takes longer raises ``WeightSyncTimeoutError`` (Ray)."""
-    num_gpus_per_trainer: float = setting(0.0, non_negative, gpus_on_ray)
-    """Ray: GPUs reserved for the trainer actor (0: it computes on the CPU)."""
     num_gpus_per_generator: float = setting(0.0, non_negative, gpus_on_ray)
     """Ray: GPUs reserved for each generator actor (fractions share one GPU)."""
-    num_trainer_workers: int = setting(
-        1, at_least(1), at_most(4096, "one process a GPU"), sharded_trainer_on_ray
-    )
-    """Trainer processes (Ray; ``num_gpus_per_trainer`` each). More than 1 shards the model
-    across them with FSDP2 and splits each batch between them (docs/scale_out.md)."""
-    collective_timeout_s: float = setting(600.0, positive)
-    """A sharded trainer's collective (its start included) that waits longer for a worker
-    raises, instead of hanging on one that is gone."""
     weight_transport: WeightTransport = setting("auto", transport_on_ray)
     """Ray: how full weights reach the generators. ``"broadcast"``: ``torch.distributed``
     from trainer rank 0 (not to vLLM on GPUs), ``"object_store"``: Ray's object store,
@@ -375,32 +281,12 @@ class GRPOConfig:
     """Run vLLM without CUDA graphs (faster to start, slower to decode). False captures them."""
 
     # Runs and checkpoints
-    run_name: str | None = setting(None, folder_name)
-    """Folder under ``runs_dir``. None: the loop names the run
-    ``grpo-<model>-<UTC timestamp>`` once, with ``with_resolved_run_name()``."""
-    runs_dir: str = "runs"
-    """Where run folders live: config.yaml, metrics.jsonl, rollouts, checkpoints, model."""
-    seed: int = setting(0, at_least(0), at_most(2**63 - 1, "seeds are 64-bit"))
-    """Seed of task order, sampling and initialisation."""
-    checkpoint_interval: int = setting(10, at_least(0))
-    """A training checkpoint every this many steps. 0 = only the final one."""
-    resume: bool = setting(False, resume_needs_run_name)
-    """Continue ``runs_dir/run_name/`` from its newest checkpoint that reads back whole
-    (``grpo/runs.py``: which one, what may change). Needs ``run_name``."""
-    resume_allow_missing_files: bool = False
-    """Resume a run that has checkpoints but lost its ``metrics.jsonl`` or ``config.yaml``
-    (its history then starts at the checkpoint). Off: such a resume is refused, saying
-    which file is gone (``grpo/run_checks.py``)."""
 
     # Validation
-    validation_interval: int = setting(10, at_least(0))
-    """Steps between validations on ``val_tasks``. 0 = never."""
     sequential_validation: bool = False
     """Validate as a blocking phase at an exact policy version, not alongside training."""
     val_episodes_per_task: int = setting(1, at_least(1))
     """Episodes per validation task."""
-    val_temperature: float = setting(1.0, a_temperature)
-    """Sampling temperature of validation episodes (0 = greedy, else at least 1e-3)."""
 
     # Env policy
     env_step_timeout_s: float | None = setting(60.0, positive)
@@ -417,10 +303,13 @@ class GRPOConfig:
     """Under ``env_errors="retry"``: how many times a failed episode is played again."""
 
     def __post_init__(self) -> None:
-        tuples_from_lists(self, _field_types())
         self._normalise()
-        raise_if_any(self._type_problems())
-        raise_if_any(value_problems(self))
+        self.validate(self._own_problems)
+
+    def _own_problems(self) -> list[str]:
+        if self.num_steps is None:
+            return ["optimizer.num_steps must be a number of steps for GRPO, got None"]
+        return []
 
     # Derived values
 
@@ -455,7 +344,8 @@ class GRPOConfig:
         to config.yaml, so that the saved config resumes the same folder."""
         if self.run_name is not None:
             return self
-        return replace(self, run_name=self.resolved_run_name(now))
+        named = replace(self.checkpoints, run_name=self.resolved_run_name(now))
+        return replace(self, checkpoints=named)
 
     def run_dir(self) -> Path:
         """``runs_dir/run_name``. ``run_name`` must be set (see ``with_resolved_run_name``)."""
@@ -466,52 +356,7 @@ class GRPOConfig:
             )
         return Path(self.runs_dir) / self.run_name
 
-    # Serialisation
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every field, with enums as their names, so a YAML dump stays readable."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GRPOConfig:
-        """A config from field values. An unknown key or a value of the wrong type raises
-        ``ValueError``. A missing key takes its default."""
-        from collections.abc import Mapping
-
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a GRPOConfig is a mapping of field names, got {type(data)}")
-        names = [f.name for f in fields(cls)]
-        known = {*names, *FLAT_TEACHER_NAMES}  # the flat names: an old run's config.yaml
-        raise_if_any([unknown_key(key, names) for key in data if key not in known])
-        return cls(**data)
-
-    def to_yaml(self, path: str | PathLike[str]) -> Path:
-        """Write every field to ``path`` (folders created), loadable with ``from_yaml``."""
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        body = yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
-        target.write_text(_YAML_HEADER + body)
-        return target
-
-    @classmethod
-    def from_yaml(cls, path: str | PathLike[str]) -> GRPOConfig:
-        """Load a config written by ``to_yaml`` or by hand (an empty file is the defaults).
-        ``ValueError`` names the file and the bad key."""
-        source = Path(path)
-        try:
-            data = yaml.load(source.read_text(encoding="utf-8"), Loader=ConfigYamlLoader)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{source}: not valid YAML: {exc}") from exc
-        except UnicodeDecodeError:
-            raise ValueError(f"{source}: not text (not UTF-8): not a config file") from None
-        except OSError as exc:
-            raise ValueError(f"{source}: cannot be read ({exc.strerror})") from None
-        try:
-            return cls.from_dict({} if data is None else data)
-        except ValueError as exc:
-            raise ValueError(f"{source}: {exc}") from exc
-
-    # Validation: normalise, then types, then each field's rules.
+    # Validation: normalise, then types, then each field's rules (``validate``).
 
     def _normalise(self) -> None:
         try:
@@ -521,19 +366,6 @@ class GRPOConfig:
         object.__setattr__(self, "weight_sync_type", sync)
         if self.teacher is not None:  # a source alone (the shorthand), or YAML's mapping
             object.__setattr__(self, "teacher", TeacherConfig.of(self.teacher))
-        # An int where a float is expected is fine (learning_rate=1); store it as a float
-        # so that the YAML dump and equality do not depend on how it was written.
-        for name, hint in _field_types().items():
-            value = getattr(self, name)
-            if is_int(value) and admits_float(hint):
-                object.__setattr__(self, name, float(value))
-
-    def _type_problems(self) -> list[str]:
-        return [
-            type_problem(name, hint, getattr(self, name))
-            for name, hint in _field_types().items()
-            if not matches(getattr(self, name), hint)
-        ]
 
 
 _dataclass_init = GRPOConfig.__init__
@@ -547,19 +379,3 @@ def _init(self: GRPOConfig, *args: Any, **settings: Any) -> None:
 
 
 GRPOConfig.__init__ = _init  # type: ignore[method-assign]
-
-
-_YAML_HEADER = "# GRPOConfig: load with GRPOConfig.from_yaml; fields in docs/grpo_config.md\n"
-
-
-@cache
-def _field_types() -> dict[str, Any]:
-    return get_type_hints(GRPOConfig)
-
-
-def _plain(value: object) -> object:
-    if isinstance(value, TeacherConfig):
-        return value.to_dict()
-    if isinstance(value, tuple):  # what safe_dump writes and YAML gives back
-        return list(value)
-    return value.name if isinstance(value, enum.Enum) else value

@@ -98,15 +98,18 @@ class RunSettings:
         """The one place the config is cut into per-layer settings."""
         advantages = advantage_settings(config)
         shaping = advantages.shaping
+        optimizer = config.optimizer
+        num_steps = optimizer.num_steps
+        assert num_steps is not None  # GRPOConfig refuses None (SFT's alone means "epochs")
         steps = StepSettings(
             batch_size=config.batch_size,
             episodes_per_task=config.episodes_per_task,
             max_sampling_attempts=config.max_sampling_attempts,
-            seed=config.seed,
+            seed=config.checkpoints.seed,
             advantages=advantages,
             loss=loss_config_of(config),
             learning_rate=LearningRateSchedule(
-                config.learning_rate, config.num_steps, config.warmup_steps, config.lr_schedule
+                optimizer.learning_rate, num_steps, optimizer.warmup_steps, optimizer.lr_schedule
             ),
             weight_sync_type=config.weight_sync_type,
             distill=_distill(config),
@@ -124,30 +127,35 @@ class RunSettings:
         return cls(
             steps=steps,
             schedule=Schedule(
-                config.num_steps, config.validation_interval, config.checkpoint_interval
+                num_steps,
+                config.logging.validation_interval,
+                config.checkpoints.checkpoint_interval,
             ),
             validation=ValidationSettings(
-                config.val_episodes_per_task, config.sequential_validation, config.seed, shaping
+                config.val_episodes_per_task,
+                config.sequential_validation,
+                config.checkpoints.seed,
+                shaping,
             ),
             episodes=episode_limits(config),
-            train_sampling=_sampling(config, config.temperature),
-            val_sampling=_sampling(config, config.val_temperature),
+            train_sampling=_sampling(config, config.sampling.temperature),
+            val_sampling=_sampling(config, config.sampling.val_temperature),
             service=ServiceSpec(
                 model=model,
                 trainer=grpo_trainer_settings(config),
-                backend=config.backend,
+                backend=config.scale_out.backend,
                 generation_engine=engine,
                 num_generator_replicas=config.num_generator_replicas,
-                engine_dtype=config.dtype,
-                max_model_length=config.max_model_length,
+                engine_dtype=config.base.dtype,
+                max_model_length=config.limits.max_model_length,
                 prefix_cache_bytes=config.prefix_cache_bytes,
-                ray_address=config.ray_address,
+                ray_address=config.scale_out.ray_address,
                 weight_sync_timeout_s=config.weight_sync_timeout_s,
-                device=config.device,
-                num_gpus_per_trainer=config.num_gpus_per_trainer,
+                device=config.base.device,
+                num_gpus_per_trainer=config.scale_out.num_gpus_per_trainer,
                 num_gpus_per_generator=config.num_gpus_per_generator,
-                num_trainer_workers=config.num_trainer_workers,
-                collective_timeout_s=config.collective_timeout_s,
+                num_trainer_workers=config.scale_out.num_trainer_workers,
+                collective_timeout_s=config.scale_out.collective_timeout_s,
                 weight_transport=config.weight_transport,
                 vllm=VLLMSettings(
                     tensor_parallel_size=config.vllm_tensor_parallel_size,
@@ -181,7 +189,7 @@ def _distill(config: GRPOConfig) -> DistillSettings | None:
 def advantage_settings(config: GRPOConfig) -> AdvantageSettings:
     """How the run turns rewards into advantages: shaping, normalisation, turn rewards."""
     shaping = RewardShaping(
-        max_model_length=config.max_model_length,
+        max_model_length=config.limits.max_model_length,
         buffer_length=config.overlong_buffer_length,
         penalty_factor=config.overlong_penalty_factor,
     )
@@ -199,7 +207,6 @@ def grpo_trainer_settings(config: GRPOConfig) -> TrainerSettings:
     """The trainer the run builds (a recorded batch, ``grpo/recorded_batch.py``, keeps it)."""
     return trainer_settings(
         config,
-        memory_budget=config.memory_budget,
         reference_model=config.kl_beta > 0,
         packing=config.trainer_packing != "off",
         shared_prefix=config.trainer_packing == "shared_prefix",
@@ -212,8 +219,8 @@ def episode_limits(config: GRPOConfig) -> EpisodeLimits:
     validation, and an evaluation that compares with them)."""
     return EpisodeLimits(
         max_turns=config.max_turns,
-        max_model_length=config.max_model_length,
-        max_tokens_per_turn=config.max_tokens_per_turn,
+        max_model_length=config.limits.max_model_length,
+        max_tokens_per_turn=config.sampling.max_tokens_per_turn,
         failed_parse_reward=config.failed_parse_reward,
         env_step_timeout_s=config.env_step_timeout_s,
         env_errors=config.env_errors,
@@ -227,8 +234,8 @@ def eval_settings(config: GRPOConfig) -> EvalSettings:
     return EvalSettings(
         episodes_per_task=config.val_episodes_per_task,
         limits=episode_limits(config),
-        temperature=config.val_temperature,
-        top_p=config.top_p,
+        temperature=config.sampling.val_temperature,
+        top_p=config.sampling.top_p,
     )
 
 
@@ -240,9 +247,10 @@ def _teacher(config: GRPOConfig) -> TeacherSpec | None:
         source=teacher.source,
         scoring=ScoringSettings(
             # None: the trainer's memory plan chooses; the teacher keeps its own default
-            micro_batch_tokens=config.micro_batch_tokens or ScoringSettings.micro_batch_tokens,
-            logprob_chunk_tokens=config.logprob_chunk_tokens,
-            device="cpu" if config.device == "auto" and not _has_cuda() else _device(config),
+            micro_batch_tokens=config.limits.micro_batch_tokens
+            or ScoringSettings.micro_batch_tokens,
+            logprob_chunk_tokens=config.limits.logprob_chunk_tokens,
+            device="cpu" if config.base.device == "auto" and not _has_cuda() else _device(config),
         ),
         endpoint_model=teacher.model,
         timeout_s=teacher.timeout_s,
@@ -253,13 +261,13 @@ def _teacher(config: GRPOConfig) -> TeacherSpec | None:
 
 
 def _device(config: GRPOConfig) -> str:
-    return "cuda" if config.device == "auto" else config.device
+    return "cuda" if config.base.device == "auto" else config.base.device
 
 
 def _generators_on_gpu(config: GRPOConfig) -> bool:
-    if config.backend == "ray":
+    if config.scale_out.backend == "ray":
         return config.num_gpus_per_generator > 0
-    return config.device.startswith("cuda") or (config.device == "auto" and _has_cuda())
+    return config.base.device.startswith("cuda") or (config.base.device == "auto" and _has_cuda())
 
 
 def _has_cuda() -> bool:
@@ -281,5 +289,7 @@ def _codec_options(config: GRPOConfig, model: ModelInfo) -> dict[str, object]:
 
 def _sampling(config: GRPOConfig, temperature: float) -> SamplingParams:
     return SamplingParams(
-        max_tokens=config.max_tokens_per_turn, temperature=temperature, top_p=config.top_p
+        max_tokens=config.sampling.max_tokens_per_turn,
+        temperature=temperature,
+        top_p=config.sampling.top_p,
     )

@@ -17,13 +17,6 @@ if TYPE_CHECKING:
     from post_training_cookbook.grpo.config import GRPOConfig
 
 
-def a_temperature(config: Any, name: str, value: Any) -> str | None:
-    from post_training_cookbook.engine.types import temperature_problem
-
-    problem = temperature_problem(value)
-    return None if problem is None else f"{name} {problem}"
-
-
 MAX_GROUPS_IN_FLIGHT = 1024
 """Most rollout groups an async run keeps in flight, whatever else allows."""
 
@@ -58,8 +51,6 @@ WHY_GROUP = (
 WHY_OFF_POLICY = "None keeps lockstep; 0 admits only groups started under the current policy"
 IN_0_1_CLOSED = "{name} must be in (0, 1] or None, got {value}"
 IN_UNIT_INTERVAL = "{name} must be in [0, 1], got {value}"
-TOP_P = "{name} must be in [1e-6, 1], got {value}; 1 turns it off"
-FITS_CONTEXT = ": lower max_tokens_per_turn or raise max_model_length"
 BUFFER_ADVICE = "; 0 turns the soft penalty off"
 IN_FLIGHT_NEEDS_ASYNC = (
     "groups_in_flight applies only to async training: set max_steps_off_policy (e.g. 1) or "

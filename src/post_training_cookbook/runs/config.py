@@ -79,11 +79,11 @@ def field_rules(field: dataclasses.Field[Any]) -> tuple[Rule, ...]:
     return tuple(field.metadata.get("rules", ()))
 
 
-def value_problems(config: Any, prefix: str = "") -> list[str]:
-    """Every rule of every field of a config dataclass (``GRPOConfig``, ``SFTConfig``) that
+def value_problems(config: Any, prefix: str = "", whole: Any = None) -> list[str]:
+    """Every rule of every field of a config dataclass (``GRPOConfig``, a section of it) that
     its value breaks, after the rules for every field of a kind: floats are finite, strings
     are not empty. ``prefix``: where a nested config sits (``"teacher."``), to name its fields
-    by their path."""
+    by their path. ``whole``: the config the rules read (a section's loop config)."""
     problems = []
     for f in dataclasses.fields(config):
         name, value = prefix + f.name, getattr(config, f.name)
@@ -92,7 +92,8 @@ def value_problems(config: Any, prefix: str = "") -> list[str]:
             continue
         if isinstance(value, str) and not value.strip():
             problems.append(f"{name} must not be empty (use None where that is allowed)")
-        problems += [p for rule in field_rules(f) if (p := rule(config, name, value))]
+        reader = config if whole is None else whole
+        problems += [p for rule in field_rules(f) if (p := rule(reader, name, value))]
     return problems
 
 
@@ -156,6 +157,20 @@ def only_when(condition: Callable[[Any], bool], problem: str) -> Rule:
 
 
 IN_0_1 = "{name} must be in [0, 1), got {value}"
+
+
+def a_temperature(config: Any, name: str, value: Any) -> str | None:
+    from post_training_cookbook.engine.types import temperature_problem
+
+    problem = temperature_problem(value)
+    return None if problem is None else f"{name} {problem}"
+
+
+def warmup_fits(config: Any, name: str, value: int) -> str | None:
+    """Warmup ends by ``num_steps`` (when the run sets it)."""
+    if config.num_steps is None or value <= config.num_steps:
+        return None
+    return f"{name} must be <= num_steps ({config.num_steps}), got {value}"
 
 
 RAY_ADDRESS_NEEDS_RAY = 'ray_address applies only to backend="ray"'

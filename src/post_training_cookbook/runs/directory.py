@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -78,6 +78,8 @@ class RunConfig(Protocol):
     def use_lora(self) -> bool: ...
 
     def to_yaml(self, path: Path) -> Path: ...
+
+    def flat_values(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -305,15 +307,14 @@ def _same_value(name: str, saved: Any, now: Any) -> bool:
 
 
 def _changes(saved: RunConfig, config: RunConfig) -> list[str]:
-    """``name old → new`` for every field but ``resume`` that the resumed config changes."""
-    pairs = {
-        f.name: (getattr(saved, f.name), getattr(config, f.name))
-        for f in fields(saved)  # type: ignore[arg-type]  # a dataclass, as both configs are
-    }
+    """``path old → new`` for every field but ``resume`` that the resumed config changes
+    (by its path in the sections, ``optimizer.learning_rate``)."""
+    before, after = saved.flat_values(), config.flat_values()
     return [
-        f"{name} {old!r} → {new!r}"
-        for name, (old, new) in pairs.items()
-        if name != "resume" and not _same_value(name, old, new)
+        f"{path} {old!r} → {after.get(path)!r}"
+        for path, old in before.items()
+        if path.rpartition(".")[2] != "resume"
+        and not _same_value(path.rpartition(".")[2], old, after.get(path))
     ]
 
 

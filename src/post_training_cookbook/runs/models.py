@@ -65,6 +65,9 @@ class TrainerConfig(Protocol):
     def gradient_checkpointing(self) -> bool | None: ...
 
     @property
+    def memory_budget(self) -> float: ...
+
+    @property
     def logprob_chunk_tokens(self) -> int | Literal["auto"] | None: ...
 
     @property
@@ -91,7 +94,7 @@ class RunModelConfig(TrainerConfig, Protocol):
 
 def trainer_settings(config: TrainerConfig, **loop_options: Any) -> TrainerSettings:
     """The trainer a loop's config asks for: the fields every loop's config has (LoRA,
-    optimizer, batching, ``trainer_precision`` as ``precision``, seed) and the loop's own
+    optimizer, memory limits, ``trainer_precision`` as ``precision``, seed) and the loop's own
     (``loop_options``: GRPO's KL reference, packing, router replay)."""
     return TrainerSettings(
         use_lora=config.use_lora,
@@ -103,6 +106,7 @@ def trainer_settings(config: TrainerConfig, **loop_options: Any) -> TrainerSetti
         max_grad_norm=config.max_grad_norm,
         micro_batch_tokens=config.micro_batch_tokens,
         gradient_checkpointing=config.gradient_checkpointing,
+        memory_budget=config.memory_budget,
         logprob_chunk_tokens=config.logprob_chunk_tokens,
         precision=config.trainer_precision,
         seed=config.seed,
