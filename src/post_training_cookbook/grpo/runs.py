@@ -15,7 +15,7 @@ from post_training_cookbook.runs.stopping import StopRequest
 from post_training_cookbook.service.base import ModelService
 
 if TYPE_CHECKING:
-    from post_training_cookbook.distill.teacher import Teacher
+    from post_training_cookbook.distill.types import Teacher
     from post_training_cookbook.grpo.settings import RunSettings
     from post_training_cookbook.runs.directory import LoopState
     from post_training_cookbook.runs.reporting import RunLog
