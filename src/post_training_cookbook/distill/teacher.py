@@ -15,29 +15,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.distill.endpoint import EndpointTeacher
 from post_training_cookbook.distill.types import ScoringSettings, Teacher, TeacherSpec
+from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
 from post_training_cookbook.trainer.scoring import LocalScorer
-
-if TYPE_CHECKING:
-    from post_training_cookbook.models.catalog import ModelInfo
 
 
 def teacher_model_info(source: str, config_type: Any = None) -> ModelInfo:
     """The catalog entry of a local teacher (a run or checkpoint: its base model's), from
     metadata alone. ``config_type``: the class a run's config.yaml is read with (the loop's)."""
-    from post_training_cookbook.runs.models import resolve_eval_model
-
     return resolve_eval_model(source, config_type=config_type).tokenizer_info
 
 
 def check_same_tokenizer(student: ModelInfo, teacher_source: str, config_type: Any = None) -> None:
     """Refuse a local teacher whose tokenizer is not the student's, naming both, before any
     weights load: its log-probabilities would be of other tokens."""
-    from post_training_cookbook.models.loading import load_tokenizer
+    from post_training_cookbook.models.loading import load_tokenizer  # torch, transformers
 
     teacher = teacher_model_info(teacher_source, config_type)
     ours, theirs = load_tokenizer(student), load_tokenizer(teacher)
@@ -60,8 +57,7 @@ class LocalTeacher(LocalScorer):
     @classmethod
     def load(cls, source: str, scoring: ScoringSettings, config_type: Any = None) -> LocalTeacher:
         """``config_type``: the class a run's config.yaml is read with (the loop's)."""
-        from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
-        from post_training_cookbook.trainer.trainer import Trainer
+        from post_training_cookbook.trainer.trainer import Trainer  # torch, only for a local one
 
         weights = load_eval_weights(resolve_eval_model(source, config_type=config_type))
         trainer = Trainer(

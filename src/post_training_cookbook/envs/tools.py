@@ -51,6 +51,7 @@ from post_training_cookbook.envs.tool_calls import (
     in_daemon_thread,
     is_run_cancellation,
 )
+from post_training_cookbook.stretches import with_longest_stretch
 from post_training_cookbook.types import ToolSpec
 
 log = logging.getLogger(__name__)
@@ -192,8 +193,6 @@ class FunctionTool:
 
     async def _awaited(self, awaitable: Any) -> Any:
         """``awaitable``'s value, or ``ToolCrashed`` when it blocked the loop too long."""
-        from post_training_cookbook.stretches import with_longest_stretch
-
         value, longest_s = await with_longest_stretch(awaitable)
         if longest_s > MAX_BLOCKING_S:
             log.warning("async tool %s blocked the event loop for %.1fs", self.name, longest_s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.engine.types import temperature_problem
 from post_training_cookbook.runs.config import LoopConfig, on_ray
 from post_training_cookbook.service.types import VLLM_RECORDS_NO_ROUTES, WeightSyncType
 from post_training_cookbook.trainer.types import LossConfig, LossType
@@ -45,8 +46,6 @@ class GRPOFields(LoopConfig, Protocol):
 
 
 def a_temperature(config: Any, name: str, value: Any) -> str | None:
-    from post_training_cookbook.engine.types import temperature_problem
-
     problem = temperature_problem(value)
     return None if problem is None else f"{name} {problem}"
 

@@ -123,7 +123,7 @@ class Tau2Env(Env):
         """τ²'s environment, agent, user and orchestrator for one episode, as τ²'s
         ``run_task`` builds them (conversations: initialized, the greeting sent), and the
         agent's tool specs."""
-        from post_training_cookbook.bundled_envs.tau2 import roles
+        from post_training_cookbook.bundled_envs.tau2 import roles  # imports τ², built on it
 
         t2 = tau2()
         constructor = t2.registry.get_env_constructor(domain)
