@@ -75,7 +75,7 @@ def test_a_function_tool_carries_its_spec_and_an_env_offers_that_spec() -> None:
     tool = function_tool(convert)
     assert isinstance(tool, ToolWithSpec)
     assert tool.spec == get_json_schema(convert) and "return" in tool.spec["function"]
-    (offered,) = ToolEnv([tool]).tool_specs
+    (offered,) = ToolEnv([tool], reward_fn=exact_answer).tool_specs
     assert offered == tool.spec
     offered["function"]["name"] = "changed"
     assert tool.spec["function"]["name"] == "convert"
