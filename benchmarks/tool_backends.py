@@ -24,7 +24,7 @@ from pathlib import Path
 from post_training_cookbook.tool_backends.mcp_connection import MCPStdioServer
 from post_training_cookbook.tool_backends.mcp_tools import MCPToolbox
 from post_training_cookbook.tool_backends.sandbox import SandboxConfig, SandboxPool
-from post_training_cookbook.tool_backends.sandbox.runner import python_for_sandbox
+from post_training_cookbook.tool_backends.sandbox.config import python_for_sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = "print(6 * 7)"

@@ -155,7 +155,7 @@ def test_a_teacher_that_cannot_be_reached_follows_env_errors() -> None:
 
 
 def _scoring() -> Any:
-    from post_training_cookbook.distill.teacher import ScoringSettings
+    from post_training_cookbook.distill.types import ScoringSettings
 
     return ScoringSettings()
 

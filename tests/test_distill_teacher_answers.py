@@ -18,7 +18,7 @@ from json_fuzz import SPECIAL_FLOATS, JsonFuzzer
 from test_serve_common import Scripted, ScriptedEndpoint
 
 from post_training_cookbook.distill import DistillSettings, EndpointTeacher, distill_batch
-from post_training_cookbook.distill.teacher import TeacherCallError, TeacherError
+from post_training_cookbook.distill.types import TeacherCallError, TeacherError
 from post_training_cookbook.trainer.types import TrainingSample
 
 TOKENS = [5, 6, 7, 8]

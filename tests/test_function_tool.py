@@ -19,6 +19,7 @@ from post_training_cookbook.envs import (
     Tool,
     ToolEnv,
     ToolResult,
+    ToolWithSpec,
     check_env,
     exact_answer,
     function_tool,
@@ -66,6 +67,47 @@ def test_the_tools_schema_is_get_json_schemas(fn) -> None:
     assert tool.description == expected["function"]["description"]
     assert tool.parameters_schema == expected["function"]["parameters"]
     assert isinstance(tool, Tool)  # the hosted guide's Tool protocol
+
+
+def test_a_function_tool_carries_its_spec_and_an_env_offers_that_spec() -> None:
+    """The spec is made once, when the tool is: ``ToolEnv.tool_specs`` hands on a copy of
+    the one the tool carries (``return`` included), and changing the copy leaves the tool's."""
+    tool = function_tool(convert)
+    assert isinstance(tool, ToolWithSpec)
+    assert tool.spec == get_json_schema(convert) and "return" in tool.spec["function"]
+    (offered,) = ToolEnv([tool], reward_fn=exact_answer).tool_specs
+    assert offered == tool.spec
+    offered["function"]["name"] = "changed"
+    assert tool.spec["function"]["name"] == "convert"
+
+
+def test_a_carried_spec_is_offered_as_it_is_and_a_tool_without_one_gets_one_made() -> None:
+    """Any tool with a ``spec`` (an MCP tool's is its server's listing) is offered that spec,
+    with what name, description and parameters do not say (``strict``); a tool without one
+    gets one made of them."""
+
+    class Unlisted:
+        name, description = "lookup", "Look a key up."
+        parameters_schema = {"type": "object", "properties": {"key": {"type": "string"}}}
+
+        async def execute(self, arguments: str) -> ToolResult:
+            return ToolResult(content="")
+
+    class Listed(Unlisted):
+        spec = {
+            "type": "function",
+            "function": {
+                "name": Unlisted.name,
+                "description": Unlisted.description,
+                "parameters": Unlisted.parameters_schema,
+                "strict": True,
+            },
+        }
+
+    assert tool_to_spec(Listed()) == Listed.spec
+    made = tool_to_spec(Unlisted())
+    assert not isinstance(Unlisted(), ToolWithSpec) and "strict" not in made["function"]
+    assert made["function"]["parameters"] == Listed.parameters_schema
 
 
 def test_a_sync_and_an_async_function_both_run_on_valid_arguments() -> None:

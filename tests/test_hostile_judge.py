@@ -93,7 +93,7 @@ def test_an_endpoint_teacher_s_answer_past_max_response_bytes_follows_env_errors
     from test_serve_common import Scripted, ScriptedEndpoint
 
     from post_training_cookbook.distill import DistillSettings, EndpointTeacher, distill_batch
-    from post_training_cookbook.distill.teacher import TeacherError
+    from post_training_cookbook.distill.types import TeacherError
     from post_training_cookbook.trainer.types import TrainingSample
 
     tokens = [5, 6, 7, 8]
@@ -130,7 +130,7 @@ def test_an_endpoint_teacher_quotes_a_failed_answer_s_head_and_refuses_a_body_no
     from test_serve_common import Scripted, ScriptedEndpoint
 
     from post_training_cookbook.distill import EndpointTeacher
-    from post_training_cookbook.distill.teacher import TeacherCallError
+    from post_training_cookbook.distill.types import TeacherCallError
     from post_training_cookbook.trainer.types import TrainingSample
 
     sample = TrainingSample([5, 6], [0.0, 1.0], [0.0] * 2, [0.0] * 2)

@@ -1,7 +1,9 @@
 """The layers of docs/architecture.md are the package's: every module sits in one, a row is one
 folder, no import points from a lower layer to a higher one or crosses folders inside a row,
-and no circle of imports runs through two folders. And the path from the loop to an env is as
-short as the doc says."""
+no circle of imports runs through two folders, and none runs between the modules of one
+folder. Imports inside functions and under ``TYPE_CHECKING`` count as imports throughout, so
+a circle cannot be hidden by importing one side late. And the path from the loop to an env is
+as short as the doc says."""
 
 from __future__ import annotations
 
@@ -144,10 +146,31 @@ def circles(imports: list[Import], package: Path = PACKAGE) -> set[str]:
         importer, imported = unit_of(each.importer, package), unit_of(each.imported, package)
         graph.setdefault(importer, set()).add(imported)
         graph.setdefault(imported, set())
+    return circles_of(graph)
+
+
+def circles_inside_folders(imports: list[Import], package: Path = PACKAGE) -> set[str]:
+    """The circles of imports between the modules of one folder (its subfolders included),
+    each named by its modules: ``distill.endpoint, distill.teacher`` when each imports the
+    other, though one of the two imports sits inside a function. A package's ``__init__`` is
+    a module of its folder like the others."""
+    graph: dict[str, set[str]] = {}
+    for each in imports:
+        unit = unit_of(each.importer, package)
+        inside = unit == unit_of(each.imported, package) and unit == folder_of(unit)
+        if inside and each.importer != each.imported:
+            graph.setdefault(short(each.importer), set()).add(short(each.imported))
+            graph.setdefault(short(each.imported), set())
+    return circles_of(graph)
+
+
+def circles_of(graph: dict[str, set[str]]) -> set[str]:
+    """Each circle of a graph (a strongly connected component of two nodes or more), named by
+    its nodes in order."""
     members: dict[int, list[str]] = {}
-    for unit, number in strongly_connected(graph).items():
-        members.setdefault(number, []).append(unit)
-    return {", ".join(sorted(units)) for units in members.values() if len(units) > 1}
+    for node, number in strongly_connected(graph).items():
+        members.setdefault(number, []).append(node)
+    return {", ".join(sorted(nodes)) for nodes in members.values() if len(nodes) > 1}
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> dict[str, int]:
@@ -200,6 +223,7 @@ def layer_violations(package: Path = PACKAGE, doc: Path = DOC) -> dict[str, set[
         "upward": upward_imports(table, imports, package),
         "across folders in a row": imports_across_folders_in_a_row(table, imports, package),
         "on a circle": circles(imports, package),
+        "on a circle inside a folder": circles_inside_folders(imports, package),
     }
 
 
@@ -238,6 +262,15 @@ def test_no_import_crosses_folders_inside_a_row() -> None:
 
 def test_no_circle_of_imports_runs_through_two_folders() -> None:
     assert_only_known(circles(package_imports()), KNOWN_CIRCLES, "circling through")
+
+
+def test_no_circle_of_imports_runs_between_the_modules_of_one_folder() -> None:
+    """Where two modules of a folder need each other, what both need moves to a module both
+    import: an import inside a function or under ``TYPE_CHECKING`` is an import here, so it
+    cannot hide the circle (what stays inside a function or under ``TYPE_CHECKING`` does so
+    for another reason: an optional or heavy dependency, a name for annotations only)."""
+    found = circles_inside_folders(package_imports())
+    assert not found, "circling inside a folder:\n" + "\n".join(sorted(found))
 
 
 def test_the_loops_stand_on_runs_not_on_each_other() -> None:
@@ -316,6 +349,29 @@ def test_the_checks_refuse_a_planted_circle(tmp_path: Path) -> None:
     plant(package / "types.py", 'importlib.import_module("post_training_cookbook.envs.base")')
     after = layer_violations(package, doc)["on a circle"]
     assert any("envs/" in circle and "types.py" in circle for circle in after - before), after
+
+
+def test_the_checks_refuse_a_circle_inside_a_folder_closed_lazily(tmp_path: Path) -> None:
+    """``envs.tools`` imports ``envs.base``; a return leg inside a function closes a circle."""
+    package, doc = planted_copy(tmp_path)
+    assert not layer_violations(package, doc)["on a circle inside a folder"]
+    plant(package / "envs" / "base.py", "from post_training_cookbook.envs.tools import as_tool")
+    found = layer_violations(package, doc)["on a circle inside a folder"]
+    assert any("envs.base" in circle and "envs.tools" in circle for circle in found), found
+
+
+def test_the_checks_refuse_a_circle_inside_a_folder_closed_under_type_checking(
+    tmp_path: Path,
+) -> None:
+    package, doc = planted_copy(tmp_path)
+    base = package / "envs" / "base.py"
+    base.write_text(
+        base.read_text()
+        + "\n\nif typing.TYPE_CHECKING:\n"
+        + "    from post_training_cookbook.envs.tool_env import ToolEnv\n"
+    )
+    found = layer_violations(package, doc)["on a circle inside a folder"]
+    assert any("envs.base" in circle and "envs.tool_env" in circle for circle in found), found
 
 
 def top_level_definitions(name: str) -> list[str]:

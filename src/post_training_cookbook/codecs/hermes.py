@@ -22,7 +22,7 @@ template's rendering of the whole conversation.
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.resources import files
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -43,7 +43,7 @@ from post_training_cookbook.codecs.tool_calls import (
 from post_training_cookbook.types import Message, ToolCall, ToolSpec, content_text
 
 HERMES_CHAT_TEMPLATE: str = (
-    files("post_training_cookbook.codecs").joinpath("templates/hermes.jinja").read_text("utf-8")
+    Path(__file__).with_name("templates").joinpath("hermes.jinja").read_text("utf-8")
 )
 """The Jinja chat template of this format; its ``default_system`` variable is unset by default."""
 

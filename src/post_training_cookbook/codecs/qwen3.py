@@ -31,7 +31,7 @@ of the documented Qwen3 format, and the tests check this codec against it.
 
 from __future__ import annotations
 
-from importlib.resources import files
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
@@ -47,7 +47,7 @@ from post_training_cookbook.codecs.tool_calls import ParseError
 from post_training_cookbook.types import Message, ToolSpec
 
 QWEN3_CHAT_TEMPLATE: str = (
-    files("post_training_cookbook.codecs").joinpath("templates/qwen3.jinja").read_text("utf-8")
+    Path(__file__).with_name("templates").joinpath("qwen3.jinja").read_text("utf-8")
 )
 """Our transcription of Qwen3's chat template (see the module docstring), for tests."""
 

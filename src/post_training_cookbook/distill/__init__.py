@@ -3,8 +3,10 @@ each token's advantage is the per-token reverse KL, −(log π_student − log �
 added to the env's advantage with ``teacher.coef`` (docs/losses.md, On-policy distillation).
 
 - ``config.py``: ``TeacherConfig``, the one ``teacher`` setting of a loop's config;
-- ``teacher.py``: the ``Teacher`` protocol, the local teacher (a catalog model, a folder, a
-  run or a checkpoint, scored by the trainer's own forward) and the tokenizer check;
+- ``types.py``: the ``Teacher`` protocol, ``TeacherSpec`` (which teacher a run opens) and the
+  errors a teacher raises;
+- ``teacher.py``: the local teacher (a catalog model, a folder, a run or a checkpoint, scored
+  by the trainer's own forward), ``open_teacher`` and the tokenizer check;
 - ``endpoint.py``: a teacher behind an OpenAI-compatible ``/v1/completions`` that returns
   prompt log-probabilities (vLLM's ``prompt_logprobs``; ``post-training-cookbook serve``);
 - ``advantages.py``: the teacher's calls for a batch (concurrent, with retries; failures
@@ -14,14 +16,8 @@ added to the env's advantage with ``teacher.coef`` (docs/losses.md, On-policy di
 from post_training_cookbook.distill.advantages import DistillSettings, distill_batch
 from post_training_cookbook.distill.config import TeacherConfig
 from post_training_cookbook.distill.endpoint import EndpointTeacher
-from post_training_cookbook.distill.teacher import (
-    LocalTeacher,
-    Teacher,
-    TeacherError,
-    TeacherSpec,
-    check_same_tokenizer,
-    open_teacher,
-)
+from post_training_cookbook.distill.teacher import LocalTeacher, check_same_tokenizer, open_teacher
+from post_training_cookbook.distill.types import Teacher, TeacherError, TeacherSpec
 
 __all__ = [
     "DistillSettings",

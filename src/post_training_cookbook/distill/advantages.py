@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from post_training_cookbook.distill.teacher import (
+from post_training_cookbook.distill.types import (
     Teacher,
     TeacherAnswerError,
     TeacherCallError,

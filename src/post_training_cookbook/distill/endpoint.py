@@ -30,7 +30,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from post_training_cookbook.distill.teacher import (
+from post_training_cookbook.distill.types import (
     TeacherAnswerError,
     TeacherCallError,
     TeacherError,

@@ -1,4 +1,4 @@
-"""The teacher of on-policy distillation: what it answers, and the local one.
+"""The teacher of on-policy distillation: what it answers, the local one, and ``open_teacher``.
 
 A teacher takes the student's training samples (whole episodes: prompts, tool results and
 sampled tokens alike) and returns, for each, ``log p_teacher(tokens[t] | tokens[:t])`` at
@@ -15,50 +15,27 @@ from __future__ import annotations
 
 import asyncio
 import os
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any
 
-from post_training_cookbook.distill.config import is_endpoint
-from post_training_cookbook.trainer.scoring import LocalScorer, TokenScorer
+from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.distill.endpoint import EndpointTeacher
+from post_training_cookbook.distill.types import ScoringSettings, Teacher, TeacherSpec
+from post_training_cookbook.models.catalog import ModelInfo
+from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
+from post_training_cookbook.trainer.scoring import LocalScorer
 from post_training_cookbook.trainer.types import TrainerSettings
-
-if TYPE_CHECKING:
-    from post_training_cookbook.models.catalog import ModelInfo
-
-
-class TeacherError(RuntimeError):
-    """The teacher failed (after its retries) under ``env_errors="raise"``, or answered in a
-    way that shows it is not fit to teach (another tokenizer)."""
-
-
-class TeacherCallError(RuntimeError):
-    """A teacher call that failed after its retries: the step survives it unless
-    ``env_errors="raise"``."""
-
-
-class TeacherAnswerError(TeacherCallError):
-    """A teacher's answer of the wrong shape, or with a log-probability that is not a finite
-    number in range: a failed call (under ``env_errors``), counted apart, never trained on."""
-
-
-class Teacher(TokenScorer, Protocol):
-    """On-policy distillation's teacher: a token scorer (``score``: per sample, the
-    log-probability of each sampled token given the ones before it; 0.0 where ``mask`` is 0),
-    local (``LocalTeacher``) or an endpoint (``distill/endpoint.py``)."""
 
 
 def teacher_model_info(source: str, config_type: Any = None) -> ModelInfo:
     """The catalog entry of a local teacher (a run or checkpoint: its base model's), from
     metadata alone. ``config_type``: the class a run's config.yaml is read with (the loop's)."""
-    from post_training_cookbook.runs.models import resolve_eval_model
-
     return resolve_eval_model(source, config_type=config_type).tokenizer_info
 
 
 def check_same_tokenizer(student: ModelInfo, teacher_source: str, config_type: Any = None) -> None:
     """Refuse a local teacher whose tokenizer is not the student's, naming both, before any
     weights load: its log-probabilities would be of other tokens."""
-    from post_training_cookbook.models.loading import load_tokenizer
+    from post_training_cookbook.models.loading import load_tokenizer  # torch, transformers
 
     teacher = teacher_model_info(teacher_source, config_type)
     ours, theirs = load_tokenizer(student), load_tokenizer(teacher)
@@ -75,44 +52,13 @@ def _tokenizer_identity(tokenizer: Any) -> tuple[Any, ...]:
     return (sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, len(tokenizer))
 
 
-@dataclass(frozen=True)
-class ScoringSettings:
-    """How the local teacher batches: as the student's trainer does, so that a teacher
-    equal to the student computes the same numbers."""
-
-    micro_batch_tokens: int = 8192
-    logprob_chunk_tokens: int | Literal["auto"] | None = "auto"
-    device: str = "cpu"
-
-
-@dataclass(frozen=True)
-class TeacherSpec:
-    """Which teacher a run opens, and how it calls it (from the run's ``TeacherConfig``)."""
-
-    source: str
-    """A catalog id, a folder, a run or a checkpoint; or an endpoint's ``http(s)://`` URL."""
-    scoring: ScoringSettings = ScoringSettings()
-    endpoint_model: str | None = None
-    timeout_s: float = 60.0
-    retries: int = 2
-    max_concurrency: int = 8
-    max_response_bytes: int | None = None
-    """An endpoint's answer read at most (None: ``distill/endpoint.py``'s bound by the
-    request's tokens)."""
-
-    @property
-    def is_endpoint(self) -> bool:
-        return is_endpoint(self.source)
-
-
 class LocalTeacher(LocalScorer):
     """A model of ours as teacher: its weights in a trainer of their own, forward only."""
 
     @classmethod
     def load(cls, source: str, scoring: ScoringSettings, config_type: Any = None) -> LocalTeacher:
         """``config_type``: the class a run's config.yaml is read with (the loop's)."""
-        from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
-        from post_training_cookbook.trainer.trainer import Trainer
+        from post_training_cookbook.trainer.trainer import Trainer  # torch, only for a local one
 
         weights = load_eval_weights(resolve_eval_model(source, config_type=config_type))
         settings = TrainerSettings(
@@ -129,8 +75,6 @@ async def open_teacher(spec: TeacherSpec, student: str, config_type: Any = None)
     """The run's teacher: an endpoint for an ``http(s)://`` URL, else a local model (a run's
     config.yaml read with ``config_type``, the loop's config class)."""
     if spec.is_endpoint:
-        from post_training_cookbook.distill.endpoint import EndpointTeacher
-
         return EndpointTeacher(
             spec.source,
             model=spec.endpoint_model,
@@ -147,3 +91,12 @@ async def open_teacher(spec: TeacherSpec, student: str, config_type: Any = None)
 TEACHER_API_KEY_ENV = "TEACHER_API_KEY"
 """The environment variable an endpoint teacher's bearer token is read from (never the
 config, which the run folder keeps)."""
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED_TO_TYPES:
+        return moved_name(__name__, name, "post_training_cookbook.distill.types")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_MOVED_TO_TYPES = {"TeacherAnswerError", "TeacherCallError", "TeacherError"}

@@ -18,6 +18,7 @@ from post_training_cookbook.envs.base import (
     Tool,
     ToolBackendError,
     ToolResult,
+    ToolWithSpec,
     tool_to_spec,
 )
 from post_training_cookbook.envs.checker import EnvCheckError, EnvCheckReport, check_env
@@ -51,6 +52,7 @@ __all__ = [
     "ToolBackendError",
     "ToolEnv",
     "ToolResult",
+    "ToolWithSpec",
     "check_env",
     "exact_answer",
     "function_tool",

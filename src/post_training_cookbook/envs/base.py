@@ -124,13 +124,19 @@ EnvFactory = Callable[[Task], Env]
 """Builds a fresh env for each episode of a task: ``env_factory(task)``."""
 
 
-def tool_to_spec(tool: Tool) -> ToolSpec:
-    """The OpenAI function-tool schema of ``tool``. A ``function_tool``'s is what
-    transformers' ``get_json_schema`` made of its function (with ``return`` when the function
-    declares one), so that a prompt renders it as TRL and chat templates do."""
-    from post_training_cookbook.envs.tools import FunctionTool
+@runtime_checkable
+class ToolWithSpec(Tool, Protocol):
+    """A ``Tool`` that carries the spec the model sees, made once when the tool was: a
+    ``FunctionTool``'s is what transformers' ``get_json_schema`` made of its function (with
+    ``return`` when the function declares one), an ``MCPTool``'s is its server's listing."""
 
-    if isinstance(tool, FunctionTool):
+    spec: ToolSpec
+
+
+def tool_to_spec(tool: Tool) -> ToolSpec:
+    """The OpenAI function-tool schema of ``tool``, as a prompt renders it: a copy of the one
+    it carries (``ToolWithSpec``), else made of its name, description and parameters."""
+    if isinstance(tool, ToolWithSpec):
         return copy.deepcopy(tool.spec)
     return {
         "type": "function",

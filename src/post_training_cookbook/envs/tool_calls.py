@@ -15,6 +15,9 @@ Whatever a function raises that is not an ``Exception`` (``SystemExit``,
 ``CancelledError`` the run did not ask for) becomes ``ToolCrashed``, an ``Exception`` the env
 reports to the model like any other tool error: the run's own cancellation is the only one
 that passes through.
+
+What the call returned becomes the text the model reads by ``as_tool_result``, in the child
+process too (so that what crosses back is a ``ToolResult``, not whatever the function returned).
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ import asyncio
 import contextlib
 import contextvars
 import importlib
+import inspect
+import json
 import logging
 import multiprocessing
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from post_training_cookbook.envs.base import ToolResult
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -157,14 +164,11 @@ async def in_child_process(
 
 
 def _child_main(module: str, qualname: str, values: dict[str, Any], sending: Any) -> None:
-    from post_training_cookbook.envs.tools import FunctionTool, as_tool_result
-
     try:
         target: Any = importlib.import_module(module)
         for part in qualname.split("."):
             target = getattr(target, part)
-        fn = target.fn if isinstance(target, FunctionTool) else target
-        result = fn(**values)
+        result = target(**values)  # a function, or the ``FunctionTool`` made of it: it calls it
         if asyncio.iscoroutine(result):
             result = asyncio.run(result)
         message: tuple[bool, Any] = (True, as_tool_result(result, qualname))
@@ -172,3 +176,27 @@ def _child_main(module: str, qualname: str, values: dict[str, Any], sending: Any
         message = (False, f"{qualname} raised {type(exc).__name__}({str(exc)[:200]!r})")
     sending.send(message)
     sending.close()
+
+
+def as_tool_result(value: Any, name: str = "the tool") -> ToolResult:
+    """What a function returned, as the text the model reads: strings as they are, ``None``
+    as empty, JSON values as JSON, anything else by ``str``. ``TypeError`` for a
+    ``ToolResult`` whose content is not a string and for a generator (its ``repr`` would be
+    no answer)."""
+    if isinstance(value, ToolResult):
+        if not isinstance(value.content, str):
+            raise TypeError(
+                f"{name} returned ToolResult(content=<{type(value.content).__name__}>): "
+                "content must be a string"
+            )
+        return value
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        raise TypeError(f"{name} returned a generator: return the text (or a JSON value)")
+    if isinstance(value, str):
+        return ToolResult(content=value)
+    if value is None:
+        return ToolResult(content="")
+    try:
+        return ToolResult(content=json.dumps(value, ensure_ascii=False))
+    except (TypeError, ValueError):
+        return ToolResult(content=str(value))

@@ -44,12 +44,14 @@ from typing import Any, overload
 from post_training_cookbook.envs.base import ToolResult
 from post_training_cookbook.envs.tool_calls import (
     ToolCrashed,
+    as_tool_result,
     crashed,
     importable_reference,
     in_child_process,
     in_daemon_thread,
     is_run_cancellation,
 )
+from post_training_cookbook.stretches import with_longest_stretch
 from post_training_cookbook.types import ToolSpec
 
 log = logging.getLogger(__name__)
@@ -191,8 +193,6 @@ class FunctionTool:
 
     async def _awaited(self, awaitable: Any) -> Any:
         """``awaitable``'s value, or ``ToolCrashed`` when it blocked the loop too long."""
-        from post_training_cookbook.stretches import with_longest_stretch
-
         value, longest_s = await with_longest_stretch(awaitable)
         if longest_s > MAX_BLOCKING_S:
             log.warning("async tool %s blocked the event loop for %.1fs", self.name, longest_s)
@@ -249,30 +249,6 @@ def as_tool(tool: Any) -> Any:
     if callable(tool):
         return FunctionTool(tool)
     raise TypeError(f"{tool!r} is neither a Tool nor a function")
-
-
-def as_tool_result(value: Any, name: str = "the tool") -> ToolResult:
-    """What a function returned, as the text the model reads: strings as they are, ``None``
-    as empty, JSON values as JSON, anything else by ``str``. ``TypeError`` for a
-    ``ToolResult`` whose content is not a string and for a generator (its ``repr`` would be
-    no answer)."""
-    if isinstance(value, ToolResult):
-        if not isinstance(value.content, str):
-            raise TypeError(
-                f"{name} returned ToolResult(content=<{type(value.content).__name__}>): "
-                "content must be a string"
-            )
-        return value
-    if inspect.isgenerator(value) or inspect.isasyncgen(value):
-        raise TypeError(f"{name} returned a generator: return the text (or a JSON value)")
-    if isinstance(value, str):
-        return ToolResult(content=value)
-    if value is None:
-        return ToolResult(content="")
-    try:
-        return ToolResult(content=json.dumps(value, ensure_ascii=False))
-    except (TypeError, ValueError):
-        return ToolResult(content=str(value))
 
 
 def _check_callable(fn: Any, name: Any, timeout_s: float | None) -> None:

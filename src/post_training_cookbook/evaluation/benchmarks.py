@@ -56,7 +56,7 @@ from post_training_cookbook.rollout import Episode, Group, TruncationCause
 
 if TYPE_CHECKING:
     from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem
-    from post_training_cookbook.bundled_envs.tau2.user import UserFactory
+    from post_training_cookbook.bundled_envs.tau2.user import Tau2User
 
 BENCHMARKS = ("bfcl", "bfcl_multi_turn", TAU2)
 MULTI_TURN = "bfcl_multi_turn"
@@ -122,7 +122,7 @@ def benchmark_limits(spec: BenchmarkSpec) -> dict[str, int]:
 
 
 def benchmark_inputs(
-    spec: BenchmarkSpec, limit: int | None, user_simulator: UserFactory | None = None
+    spec: BenchmarkSpec, limit: int | None, user_simulator: Tau2User | None = None
 ) -> tuple[list[Task], Callable[[Task], Env]]:
     """The tasks and the env factory that play ``spec``; ``limit``: first N per category;
     ``user_simulator``: τ²'s simulated user (a ``tau2`` spec's domains with a user need one,

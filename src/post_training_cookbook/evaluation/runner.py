@@ -66,7 +66,7 @@ from post_training_cookbook.rollout import (
 from post_training_cookbook.sync import run_sync
 
 if TYPE_CHECKING:
-    from post_training_cookbook.bundled_envs.tau2.user import UserFactory
+    from post_training_cookbook.bundled_envs.tau2.user import Tau2User
     from post_training_cookbook.engine.rows import EngineStats  # imports torch
 
 ModelToScore = str | os.PathLike[str] | HostedModel | ChatSampler
@@ -80,7 +80,7 @@ def evaluate(
     *,
     benchmark: str | None = None,
     limit: int | None = None,
-    user_simulator: UserFactory | None = None,
+    user_simulator: Tau2User | None = None,
     max_turns: int | None = None,
     max_model_length: int | None = None,
     max_tokens_per_turn: int | None = None,
@@ -166,7 +166,7 @@ async def aevaluate(
     *,
     benchmark: str | None = None,
     limit: int | None = None,
-    user_simulator: UserFactory | None = None,
+    user_simulator: Tau2User | None = None,
     codec: str | None = None,
     step: int | None = None,
     dtype: str | None = None,
@@ -268,7 +268,7 @@ def _inputs(
     env_factory: EnvFactory | None,
     spec: BenchmarkSpec | None,
     limit: int | None,
-    user_simulator: UserFactory | None,
+    user_simulator: Tau2User | None,
 ) -> tuple[Sequence[Task], EnvFactory]:
     """The tasks and env to play: the caller's, or the benchmark's."""
     if spec is None:

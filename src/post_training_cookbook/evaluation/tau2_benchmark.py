@@ -34,7 +34,7 @@ from post_training_cookbook.evaluation.scores import BenchmarkScore, CategorySco
 from post_training_cookbook.rollout import Episode, Group
 
 if TYPE_CHECKING:
-    from post_training_cookbook.bundled_envs.tau2.user import UserFactory
+    from post_training_cookbook.bundled_envs.tau2.user import Tau2User
 
 TAU2 = "tau2"
 SOLO = "telecom_solo"
@@ -73,7 +73,7 @@ def check_tau2_spec(spec: str, domains: Sequence[str], split: str) -> tuple[tupl
 
 
 def tau2_inputs(
-    domains: Sequence[str], split: str, spec: str, limit: int | None, user: UserFactory | None
+    domains: Sequence[str], split: str, spec: str, limit: int | None, user: Tau2User | None
 ) -> tuple[list[Task], Callable[[Task], Env]]:
     """The tasks (the first ``limit`` of each domain's split) and the env factory of a τ²
     spec (``spec``: as written, for errors); ``ValueError`` when the user simulator is

@@ -4,21 +4,18 @@ checkpoints and resume of ``runs/directory.py``, with a ``GRPOConfig`` in config
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.distill.types import Teacher
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.config import GRPOConfig
+from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.rollout import EpisodeRunner
 from post_training_cookbook.runs import directory
+from post_training_cookbook.runs.directory import LoopState
+from post_training_cookbook.runs.reporting import RunLog
 from post_training_cookbook.runs.stopping import StopRequest
 from post_training_cookbook.service.base import ModelService
-
-if TYPE_CHECKING:
-    from post_training_cookbook.distill.teacher import Teacher
-    from post_training_cookbook.grpo.settings import RunSettings
-    from post_training_cookbook.runs.directory import LoopState
-    from post_training_cookbook.runs.reporting import RunLog
 
 
 class RunDirectory(directory.RunDirectory):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from post_training_cookbook.distill.advantages import DistillSettings
-from post_training_cookbook.distill.teacher import ScoringSettings, TeacherSpec
+from post_training_cookbook.distill.types import ScoringSettings, TeacherSpec
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.evaluation.results import EvalSettings
 from post_training_cookbook.grpo.advantages import AdvantageSettings, RewardShaping

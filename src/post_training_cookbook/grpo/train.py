@@ -19,7 +19,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
-from post_training_cookbook.distill.teacher import Teacher, check_same_tokenizer, open_teacher
+from post_training_cookbook.distill.teacher import check_same_tokenizer, open_teacher
+from post_training_cookbook.distill.types import Teacher
 from post_training_cookbook.envs.base import EnvFactory, Task
 from post_training_cookbook.envs.mixture import EnvMixture
 from post_training_cookbook.envs.single_turn import SingleTurnEnv

@@ -4,24 +4,51 @@ checks, ``raise_if_any``) is every loop's, in ``runs/config.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from post_training_cookbook.deprecation import moved_name
-from post_training_cookbook.runs.config import (
-    on_ray,
-)
+from post_training_cookbook.runs.config import LoopConfig, on_ray
 from post_training_cookbook.service.types import VLLM_RECORDS_NO_ROUTES, WeightSyncType
-from post_training_cookbook.trainer.types import LossConfig
+from post_training_cookbook.trainer.types import LossConfig, LossType
 
-if TYPE_CHECKING:
-    from post_training_cookbook.grpo.config import GRPOConfig
+
+class GRPOFields(LoopConfig, Protocol):
+    """What the rules below read of a ``GRPOConfig`` (whose fields name these rules, so the
+    rules name the fields they read, not the class)."""
+
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def use_lora(self) -> bool: ...
+    @property
+    def loss_type(self) -> LossType: ...
+    @property
+    def clip_low(self) -> float: ...
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def kl_beta(self) -> float: ...
+    @property
+    def tis_cap(self) -> float | None: ...
+    @property
+    def dr_grpo_horizon(self) -> int | None: ...
+    @property
+    def turn_rewards(self) -> str: ...
+    @property
+    def max_steps_off_policy(self) -> int | None: ...
+    @property
+    def num_generator_replicas(self) -> int: ...
+    @property
+    def generation_engine(self) -> str: ...
+    @property
+    def num_gpus_per_generator(self) -> float: ...
 
 
 MAX_GROUPS_IN_FLIGHT = 1024
 """Most rollout groups an async run keeps in flight, whatever else allows."""
 
 
-def groups_in_flight_bound(config: GRPOConfig, name: str, value: Any) -> str | None:
+def groups_in_flight_bound(config: GRPOFields, name: str, value: Any) -> str | None:
     """Groups in flight beyond what the next steps can train are only stale work: a step
     trains ``batch_size`` groups, and a group older than ``max_steps_off_policy`` steps is
     dropped, so at most ``batch_size * (max_steps_off_policy + 1)`` groups can be used (four
@@ -62,11 +89,11 @@ _DEFERRED_SYNC = (
 )
 
 
-def is_async(config: GRPOConfig) -> bool:
+def is_async(config: GRPOFields) -> bool:
     return config.max_steps_off_policy is not None
 
 
-def loss_settings_valid(config: GRPOConfig, name: str, value: Any) -> str | None:
+def loss_settings_valid(config: GRPOFields, name: str, value: Any) -> str | None:
     """The loss fields as ``LossConfig`` checks them (it names the field: clip_low, ...)."""
     try:
         loss_config_of(config)
@@ -75,7 +102,7 @@ def loss_settings_valid(config: GRPOConfig, name: str, value: Any) -> str | None
     return None
 
 
-def only_with_dr_grpo(config: GRPOConfig, name: str, value: Any) -> str | None:
+def only_with_dr_grpo(config: GRPOFields, name: str, value: Any) -> str | None:
     if value is None or config.loss_type == "dr_grpo":
         return None
     return (
@@ -84,7 +111,7 @@ def only_with_dr_grpo(config: GRPOConfig, name: str, value: Any) -> str | None:
     )
 
 
-def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | None:
+def discount_needs_per_step(config: GRPOFields, name: str, value: Any) -> str | None:
     if value == 1.0 or config.turn_rewards == "per_step":
         return None
     return (
@@ -94,7 +121,7 @@ def discount_needs_per_step(config: GRPOConfig, name: str, value: Any) -> str | 
     )
 
 
-def deferred_sync_needs_async(config: GRPOConfig, name: str, value: Any) -> str | None:
+def deferred_sync_needs_async(config: GRPOFields, name: str, value: Any) -> str | None:
     if value not in _DEFERRED_SYNC or is_async(config):
         return None
     return (
@@ -104,7 +131,7 @@ def deferred_sync_needs_async(config: GRPOConfig, name: str, value: Any) -> str 
     )
 
 
-def pipeline_needs_full_weight(config: GRPOConfig, name: str, value: Any) -> str | None:
+def pipeline_needs_full_weight(config: GRPOFields, name: str, value: Any) -> str | None:
     if value is not WeightSyncType.WEIGHT_SYNC_TYPE_PIPELINE or not config.use_lora:
         return None
     return (
@@ -113,7 +140,7 @@ def pipeline_needs_full_weight(config: GRPOConfig, name: str, value: Any) -> str
     )
 
 
-def one_vllm_engine_per_process(config: GRPOConfig, name: str, value: Any) -> str | None:
+def one_vllm_engine_per_process(config: GRPOFields, name: str, value: Any) -> str | None:
     if value != "vllm" or on_ray(config) or config.num_generator_replicas == 1:
         return None
     return (
@@ -123,11 +150,11 @@ def one_vllm_engine_per_process(config: GRPOConfig, name: str, value: Any) -> st
     )
 
 
-def replay_needs_torch_engine(config: GRPOConfig, name: str, value: Any) -> str | None:
+def replay_needs_torch_engine(config: GRPOFields, name: str, value: Any) -> str | None:
     return VLLM_RECORDS_NO_ROUTES if value and config.generation_engine == "vllm" else None
 
 
-def transport_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
+def transport_on_ray(config: GRPOFields, name: str, value: Any) -> str | None:
     if value == "auto":
         return None
     if not on_ray(config):
@@ -144,14 +171,14 @@ def transport_on_ray(config: GRPOConfig, name: str, value: Any) -> str | None:
     return None
 
 
-def vllm_only(config: GRPOConfig, name: str, value: Any) -> str | None:
+def vllm_only(config: GRPOFields, name: str, value: Any) -> str | None:
     defaults = {"vllm_tensor_parallel_size": 1, "vllm_enforce_eager": True}
     if config.generation_engine in ("vllm", "auto") or value in (None, defaults.get(name)):
         return None
     return f'{name} applies to generation_engine="vllm" (or "auto" picking vLLM)'
 
 
-def torch_engine_only(config: GRPOConfig, name: str, value: Any) -> str | None:
+def torch_engine_only(config: GRPOFields, name: str, value: Any) -> str | None:
     if value is None or config.generation_engine != "vllm":
         return None
     return (
@@ -160,7 +187,7 @@ def torch_engine_only(config: GRPOConfig, name: str, value: Any) -> str | None:
     )
 
 
-def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | None:
+def tensor_parallel_fits(config: GRPOFields, name: str, value: Any) -> str | None:
     if value > 1 and not on_ray(config):
         return f'vllm_tensor_parallel_size={value} needs backend="ray" (a generator actor)'
     if value <= 1 or config.num_gpus_per_generator >= value:
@@ -171,7 +198,7 @@ def tensor_parallel_fits(config: GRPOConfig, name: str, value: Any) -> str | Non
     )
 
 
-def loss_config_of(config: GRPOConfig) -> LossConfig:
+def loss_config_of(config: GRPOFields) -> LossConfig:
     """The loss fields as the trainer's ``LossConfig``."""
     return LossConfig(
         loss_type=config.loss_type,

@@ -25,6 +25,7 @@ from typing import Any, Literal, Protocol, Union, get_args, get_origin
 
 import yaml
 
+from post_training_cookbook.engine.types import temperature_problem
 from post_training_cookbook.trainer.types import token_rows_problem
 
 
@@ -160,8 +161,6 @@ IN_0_1 = "{name} must be in [0, 1), got {value}"
 
 
 def a_temperature(config: Any, name: str, value: Any) -> str | None:
-    from post_training_cookbook.engine.types import temperature_problem
-
     problem = temperature_problem(value)
     return None if problem is None else f"{name} {problem}"
 

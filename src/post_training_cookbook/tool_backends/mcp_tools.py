@@ -40,6 +40,7 @@ from post_training_cookbook.tool_backends.mcp_connection import (
     MCPServerSpec,
     MCPStdioServer,
 )
+from post_training_cookbook.types import ToolSpec
 
 Lifetime = Literal["run", "episode"]
 
@@ -169,7 +170,7 @@ class _EpisodeServer:
 class MCPTool:
     """A ``Tool`` that calls one tool of an MCP server."""
 
-    def __init__(self, spec: dict[str, Any], source: _SharedServer | _EpisodeServer) -> None:
+    def __init__(self, spec: ToolSpec, source: _SharedServer | _EpisodeServer) -> None:
         self.spec = spec
         self.name: str = spec["function"]["name"]
         self.description: str = spec["function"]["description"]
@@ -208,7 +209,7 @@ def check_tool_names(names: Sequence[str], label: str) -> None:
         seen.add(name)
 
 
-def _spec(tool: Any) -> dict[str, Any]:
+def _spec(tool: Any) -> ToolSpec:
     return {
         "type": "function",
         "function": {

@@ -25,6 +25,7 @@ from post_training_cookbook.bundled_envs.tau2.package import (
 )
 from post_training_cookbook.bundled_envs.tau2.user import (
     CAUSES,
+    Tau2User,
     Tau2UserError,
     UserFactory,
     UserSimulatorSettings,
@@ -39,6 +40,7 @@ __all__ = [
     "TAU2_VERSION",
     "Tau2Env",
     "Tau2NotInstalledError",
+    "Tau2User",
     "Tau2UserError",
     "UserFactory",
     "UserSimulatorSettings",

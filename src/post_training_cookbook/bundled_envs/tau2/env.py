@@ -35,7 +35,7 @@ from typing import Any
 
 from post_training_cookbook.bundled_envs.tau2.data import from_task
 from post_training_cookbook.bundled_envs.tau2.package import tau2
-from post_training_cookbook.bundled_envs.tau2.user import UserFactory
+from post_training_cookbook.bundled_envs.tau2.user import Tau2User, UserSimulatorSettings
 from post_training_cookbook.envs.base import Env, StepResult, Task
 from post_training_cookbook.types import Message, ToolSpec
 
@@ -54,7 +54,7 @@ class Tau2Env(Env):
 
     def __init__(
         self,
-        user: UserFactory | None = None,
+        user: Tau2User | None = None,
         *,
         solo: bool = False,
         max_steps: int = MAX_STEPS,
@@ -67,8 +67,13 @@ class Tau2Env(Env):
                 "a τ² conversation needs a user simulator: Tau2Env(user="
                 "UserSimulatorSettings(model=..., base_url=...)), or solo=True (telecom)"
             )
-        if user is not None and not callable(getattr(user, "user_for", None)):
-            raise TypeError(f"user must have a user_for(task, tools) method, got {user!r}")
+        if not isinstance(user, UserSimulatorSettings | None) and not callable(
+            getattr(user, "user_for", None)
+        ):
+            raise TypeError(
+                f"user must be UserSimulatorSettings or have a user_for(task, tools) method, "
+                f"got {user!r}"
+            )
         for name, value in (("max_steps", max_steps), ("max_errors", max_errors)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -118,7 +123,7 @@ class Tau2Env(Env):
         """τ²'s environment, agent, user and orchestrator for one episode, as τ²'s
         ``run_task`` builds them (conversations: initialized, the greeting sent), and the
         agent's tool specs."""
-        from post_training_cookbook.bundled_envs.tau2 import roles
+        from post_training_cookbook.bundled_envs.tau2 import roles  # imports τ², built on it
 
         t2 = tau2()
         constructor = t2.registry.get_env_constructor(domain)
@@ -136,7 +141,7 @@ class Tau2Env(Env):
             agent = roles.PolicyAgent(
                 tools=environment.get_tools(), domain_policy=environment.get_policy()
             )
-            user = self.user.user_for(record, user_tools)
+            user = roles.user_of(self.user, record, user_tools)
         orchestrator = t2.orchestrator.Orchestrator(
             domain=domain,
             agent=agent,

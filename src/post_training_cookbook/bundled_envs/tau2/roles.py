@@ -14,7 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from post_training_cookbook.bundled_envs.tau2.package import tau2
-from post_training_cookbook.bundled_envs.tau2.user import UserSimulatorSettings, ask, chat_request
+from post_training_cookbook.bundled_envs.tau2.user import (
+    Tau2User,
+    UserSimulatorSettings,
+    ask,
+    chat_request,
+)
 from post_training_cookbook.openai_api import async_client
 
 T2 = tau2()
@@ -119,3 +124,12 @@ class EndpointUser(PreparedUser):
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+
+
+def user_of(user: Tau2User, task: Any, tools: list[Any] | None) -> Any:
+    """The user of one episode of ``task`` (a τ² task record), with the domain's user tools:
+    τ²'s user simulator asking the endpoint of ``UserSimulatorSettings``, or what a
+    ``UserFactory`` builds."""
+    if isinstance(user, UserSimulatorSettings):
+        return EndpointUser(user, tools=tools, instructions=str(task.user_scenario))
+    return user.user_for(task, tools)

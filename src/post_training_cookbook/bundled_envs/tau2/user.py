@@ -125,13 +125,6 @@ class UserSimulatorSettings:
     def name(self) -> str:
         return f"{self.base_url}#{self.model}"
 
-    def user_for(self, task: Any, tools: list[Any] | None) -> Any:
-        """τ²'s user simulator for one episode of ``task`` (a τ² task record), asking this
-        endpoint (``roles.EndpointUser``)."""
-        from post_training_cookbook.bundled_envs.tau2.roles import EndpointUser
-
-        return EndpointUser(self, tools=tools, instructions=str(task.user_scenario))
-
 
 def _check_number(
     name: str, value: object, *, low: float, high: float = math.inf, strict: bool = False
@@ -151,13 +144,18 @@ def _check_number(
 
 
 class UserFactory(Protocol):
-    """What ``Tau2Env(user=...)`` takes: something that builds each episode's user, a τ²
-    ``UserSimulator`` whose turns are prepared ahead (``roles.PreparedUser``)."""
+    """What ``Tau2Env(user=...)`` takes besides ``UserSimulatorSettings``: something that
+    builds each episode's user, a τ² ``UserSimulator`` whose turns are prepared ahead
+    (``roles.PreparedUser``)."""
 
     def user_for(self, task: Any, tools: list[Any] | None) -> Any:
         """The user of one episode of ``task`` (a τ² task record), with the domain's user
         tools (None where the domain has none)."""
         ...
+
+
+Tau2User = UserSimulatorSettings | UserFactory
+"""What ``Tau2Env(user=...)`` takes: the user simulator's settings, or any ``UserFactory``."""
 
 
 def chat_request(

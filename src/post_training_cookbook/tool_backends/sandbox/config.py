@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -102,8 +104,6 @@ class SandboxConfig:
     @property
     def launcher_python(self) -> str:
         """The interpreter that sets the limits before the program starts."""
-        from post_training_cookbook.tool_backends.sandbox.runner import python_for_sandbox
-
         return self.python or python_for_sandbox()
 
     def in_view(self, path: str) -> bool:
@@ -115,3 +115,13 @@ class SandboxConfig:
             any(c == root or c.startswith(root.rstrip("/") + "/") for root in roots)
             for c in candidates
         )
+
+
+def python_for_sandbox() -> str:
+    """The interpreter programs run with by default: the system's ``python3`` (the training
+    process's own may live under ``/root`` or in a virtual environment the sandbox does not
+    see)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("python3") or sys.executable

@@ -34,7 +34,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -396,13 +395,3 @@ def probe_bwrap(bwrap: str, config: SandboxConfig, scratch: Path) -> None:
     if done.returncode != 0 or done.stdout.strip() != "ok":
         said = (done.stderr or done.stdout).strip()[-500:] or f"exit status {done.returncode}"
         raise SandboxUnavailableError(f"{bwrap} cannot start a sandbox here: {said}")
-
-
-def python_for_sandbox() -> str:
-    """The interpreter programs run with by default: the system's ``python3`` (the training
-    process's own may live under ``/root`` or in a virtual environment the sandbox does not
-    see)."""
-    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
-        if os.access(candidate, os.X_OK):
-            return candidate
-    return shutil.which("python3") or sys.executable
