@@ -190,6 +190,30 @@ def test_the_cli_sets_a_field_by_its_path_and_refuses_a_bad_one(tmp_path) -> Non
         load_train_config(path, ["optimizer.lora_rnak=4"])
 
 
+@pytest.mark.parametrize(
+    "in_file",
+    ["num_steps: 3\n", "optimizer:\n  num_steps: 3\n", "optimizer.num_steps: 3\n"],
+    ids=["flat", "nested", "dotted"],
+)
+@pytest.mark.parametrize("setting", ["num_steps=1", "optimizer.num_steps=1"])
+def test_the_clis_setting_wins_over_the_file_whichever_form_either_uses(
+    tmp_path, in_file, setting
+) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(in_file + "env:\n  factory: post_training_cookbook.envs.x:Env\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the flat file's
+        config, _ = load_train_config(path, [setting])
+    assert config.num_steps == 1
+
+
+def test_a_field_given_both_flat_and_by_its_path_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"`num_steps` is given twice"):
+        GRPOConfig.from_dict({"num_steps": 3, "optimizer": {"num_steps": 4}})
+    with pytest.raises(ValueError, match=r"`num_steps` is given twice"):
+        GRPOConfig.from_dict({"optimizer.num_steps": 4, "num_steps": 3})
+
+
 def test_the_sft_cli_sets_a_field_by_its_path(tmp_path) -> None:
     train = tmp_path / "train.jsonl"
     train.write_text("")

@@ -35,6 +35,7 @@ class CliError(Exception):
 def load_train_config(path: Path, overrides: Sequence[str] = ()) -> tuple[GRPOConfig, EnvSection]:
     """The GRPOConfig of a training YAML and its ``env`` section (see ``EnvSection``)."""
     from post_training_cookbook.grpo.config import ConfigYamlLoader, GRPOConfig
+    from post_training_cookbook.runs.composed import override
 
     try:
         data = yaml.load(path.read_text(), Loader=ConfigYamlLoader) or {}
@@ -43,15 +44,16 @@ def load_train_config(path: Path, overrides: Sequence[str] = ()) -> tuple[GRPOCo
     if not isinstance(data, dict):
         raise CliError(f"{path}: expected a mapping of GRPOConfig fields and an env section")
     env = _env_section(path, data.pop("env", None) or {})
-    for override in overrides:
-        key, sep, value = override.partition("=")
+    for setting in overrides:
+        key, sep, value = setting.partition("=")
         if not sep or not key:
-            raise CliError(f"--set expects FIELD=VALUE, got {override!r}")
+            raise CliError(f"--set expects FIELD=VALUE, got {setting!r}")
         try:
-            data[key.strip()] = yaml.load(value, Loader=ConfigYamlLoader)
+            parsed = yaml.load(value, Loader=ConfigYamlLoader)
         except yaml.YAMLError as exc:
             reason = " ".join(str(exc).split())
             raise CliError(f"{key.strip()}: its --set value is not valid YAML ({reason})") from None
+        override(GRPOConfig, data, key.strip(), parsed)
     try:
         return GRPOConfig.from_dict(data), env
     except ValueError as exc:

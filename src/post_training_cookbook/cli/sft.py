@@ -34,6 +34,7 @@ def load_sft_config(
 ) -> tuple[SFTConfig, Path, Path | None]:
     """The SFTConfig of an SFT YAML and its train and validation files."""
     from post_training_cookbook.grpo.config import ConfigYamlLoader
+    from post_training_cookbook.runs.composed import override
     from post_training_cookbook.sft.config import SFTConfig
 
     try:
@@ -43,11 +44,11 @@ def load_sft_config(
     if not isinstance(data, dict):
         raise CliError(f"{path}: expected a mapping of SFTConfig fields and a data section")
     files = _data_section(path, data.pop("data", None))
-    for override in overrides:
-        key, sep, value = override.partition("=")
+    for setting in overrides:
+        key, sep, value = setting.partition("=")
         if not sep or not key:
-            raise CliError(f"--set expects FIELD=VALUE, got {override!r}")
-        data[key.strip()] = yaml.load(value, Loader=ConfigYamlLoader)
+            raise CliError(f"--set expects FIELD=VALUE, got {setting!r}")
+        override(SFTConfig, data, key.strip(), yaml.load(value, Loader=ConfigYamlLoader))
     try:
         config = SFTConfig.from_dict(data)
     except ValueError as exc:

@@ -12,7 +12,6 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.rollout import EpisodeRunner
 from post_training_cookbook.runs import directory
-from post_training_cookbook.runs.directory import LoopState
 from post_training_cookbook.runs.reporting import RunLog
 from post_training_cookbook.runs.stopping import StopRequest
 from post_training_cookbook.service.base import ModelService
@@ -37,7 +36,7 @@ class Run:
     val_params: SamplingParams
     directory: RunDirectory
     log: RunLog
-    resumed: LoopState | None
+    resumed: directory.LoopState | None  # by its module: this one's LoopState is a moved name
     """The loop state of the checkpoint the run resumes from."""
     teacher: Teacher | None = None
     """On-policy distillation's teacher (``settings.teacher``), opened with the run."""

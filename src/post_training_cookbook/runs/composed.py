@@ -287,6 +287,11 @@ def nest_keys(cls: type, data: Mapping[str, Any]) -> dict[str, Any]:
         and key not in own_types(cls)
         and key not in getattr(cls, "legacy_keys", ())
     ]
+    problems += [  # which one is meant is anyone's guess
+        f"`{key}` is given twice: as `{key}` and as `{table[key]}.{key}`"
+        for key in settings
+        if key in table and key in (settings.get(table[key]) or {})
+    ]
     for name in parts:
         given = settings.get(name)
         if isinstance(given, Mapping):
@@ -344,3 +349,21 @@ def plain(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     return value.name if isinstance(value, enum.Enum) else value
+
+
+def override(cls: type, data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` (a flat name, a dotted path or an own field) in YAML's ``data`` to
+    ``value``, removing whatever else named the same field (flat, nested or dotted): the
+    command line's ``--set`` wins over the file, whichever form the file uses."""
+    table, parts = routes(cls), sections(cls)
+    name, dot, field = key.partition(".")
+    if not dot and key in table:
+        name, field = table[key], key
+    elif not (dot and name in parts):
+        data[key] = value
+        return
+    data.pop(field, None)
+    nested = data.get(name)
+    if isinstance(nested, dict):
+        nested.pop(field, None)
+    data[f"{name}.{field}"] = value
