@@ -432,15 +432,21 @@ def near_valid_expressions(draw: st.DrawFn) -> str:
     return expression[:position] + expression[position + 1 :]
 
 
+def _sqrt(x: Any) -> Any:
+    root = math.isqrt(x) if isinstance(x, int) and x >= 0 else None
+    return root if root is not None and root * root == x else math.sqrt(x)
+
+
 def _python_value(expression: str) -> Any:
     # Trusted here: the expression came from our grammar and safe_eval already bounded it.
-    # min and max take their arguments as a tuple, so min(7) is 7 as in safe_eval.
+    # min and max take their arguments as a tuple, so min(7) is 7 as in safe_eval; sqrt of a
+    # perfect square stays an int, as in safe_eval (so round(0, sqrt(0)) is round(0, 0)).
     functions = {
         "abs": abs,
         "round": round,
         "min": lambda *args: min(args),
         "max": lambda *args: max(args),
-        "sqrt": math.sqrt,
+        "sqrt": _sqrt,
     }
     return eval(expression, {"__builtins__": {}}, functions)
 
