@@ -12,6 +12,7 @@ from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import RunSettings
 from post_training_cookbook.rollout import EpisodeRunner
 from post_training_cookbook.runs import directory
+from post_training_cookbook.runs.directory import LoopState as SavedLoopState
 from post_training_cookbook.runs.reporting import RunLog
 from post_training_cookbook.runs.stopping import StopRequest
 from post_training_cookbook.service.base import ModelService
@@ -36,7 +37,7 @@ class Run:
     val_params: SamplingParams
     directory: RunDirectory
     log: RunLog
-    resumed: directory.LoopState | None  # by its module: this one's LoopState is a moved name
+    resumed: SavedLoopState | None
     """The loop state of the checkpoint the run resumes from."""
     teacher: Teacher | None = None
     """On-policy distillation's teacher (``settings.teacher``), opened with the run."""
@@ -61,6 +62,8 @@ _MOVED_TO_RUNS = {
 
 
 def __getattr__(name: str) -> object:
+    # ``LoopState`` is imported above as ``SavedLoopState``: under its own name it stays a
+    # moved name of this module, read with a warning
     if name in _MOVED_TO_RUNS:
         return moved_name(__name__, name, "post_training_cookbook.runs.directory")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
