@@ -41,12 +41,12 @@ def recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     return telecom_solo
 
 
-def test_the_gold_actions_play_one_call_a_message_then_done(recipe):
+def test_the_gold_actions_play_one_call_a_message_then_done():
     tasks = tau2_tasks("telecom", "train", solo=True, limit=2)
-    player = recipe.GoldActions(tasks)
+    player = telecom_solo.GoldActions(tasks)  # no model: the recipe fixture's is not needed
     ticket = tasks[1].prompt
     prompt = [{"role": "system", "content": f"policy ... {ticket} ..."}]
-    calls = recipe.agent_messages(from_task(tasks[1])[1], solo=True)
+    calls = telecom_solo.agent_messages(from_task(tasks[1])[1], solo=True)
     assert player.next_message(prompt) == calls[0]
     played = [*prompt, calls[0], {"role": "tool", "content": "ok"}]
     assert player.next_message(played) == calls[1]
