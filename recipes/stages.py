@@ -128,12 +128,38 @@ def run_all(
 
 
 def stages_main(script: str, functions: Mapping[str, Stage], default_out: str) -> None:
-    """``script [OUT] [--flag value ...]`` runs every stage; ``script --stage NAME OUT`` one.
-    Flags after OUT are the script's own; they are handed to every stage's process."""
+    """``script [OUT] [--flag value ...]`` runs every stage; ``script --stage NAME OUT`` one;
+    ``script --help`` says so and lists the stages. Flags after OUT are the script's own;
+    they are handed to every stage's process."""
     args = sys.argv[1:]
-    if len(args) >= 3 and args[0] == "--stage":
+    if any(arg in ("-h", "--help") for arg in args):
+        print(usage(script, functions, default_out))
+        return
+    if args and args[0] == "--stage":
+        if len(args) < 3:
+            help_text = usage(script, functions, default_out)
+            raise SystemExit(f"--stage needs a stage and an output folder\n\n{help_text}")
+        if args[1] not in functions:
+            raise SystemExit(f"no stage {args[1]!r}; the stages: {', '.join(functions)}")
         run_stage(functions, args[1], Path(args[2]))
         return
     out = Path(args[0]) if args and not args[0].startswith("--") else Path(default_out)
     extra = args[1:] if args and not args[0].startswith("--") else args
     run_all(script, functions, out, extra)
+
+
+def usage(script: str, functions: Mapping[str, Stage], default_out: str) -> str:
+    """The script's docstring and its stages, in order."""
+    name = Path(script).name
+    doc = _module_doc(script)
+    return (
+        f"{doc}\n\nusage: {name} [OUT] [--flag value ...]   every stage not done yet "
+        f"(OUT defaults to {default_out})\n       {name} --stage NAME OUT           one stage\n\n"
+        f"stages, in order: {', '.join(functions)}"
+    )
+
+
+def _module_doc(script: str) -> str:
+    import ast
+
+    return ast.get_docstring(ast.parse(Path(script).read_text())) or ""

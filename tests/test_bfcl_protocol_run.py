@@ -18,6 +18,7 @@ from post_training_cookbook.types import Message
 
 RECIPE = Path(__file__).parents[1] / "recipes" / "bfcl" / "protocol_run.py"
 sys.path.insert(0, str(RECIPE.parent))
+sys.path.insert(0, str(RECIPE.parents[1]))  # recipes/stages.py
 import protocol_report  # noqa: E402  (recipes/ is not a package)
 
 
@@ -229,3 +230,21 @@ def test_a_stage_file_records_its_time_peak_memory_and_machine(tmp_path):
     assert record["made"] is True and record["wall_s"] >= 0
     assert record["peak_rss_gib"] >= 64 / 1024  # the stage's own 64 MiB at least
     assert {"cpu", "cores", "bf16_over_fp32"} <= set(record["machine"])
+
+
+def test_help_lists_the_stages_and_runs_none(monkeypatch, tmp_path, capsys):
+    import stages
+
+    ran = []
+    functions = {"first": lambda out: ran.append("first") or {}, "second": lambda out: {}}
+    script = tmp_path / "recipe.py"
+    script.write_text('"""What the recipe does."""\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    stages.stages_main(str(script), functions, default_out="runs/recipe")
+    printed = capsys.readouterr().out
+    assert "What the recipe does." in printed and "first, second" in printed
+    assert ran == [] and not (tmp_path / "runs").exists()
+    monkeypatch.setattr(sys, "argv", [str(script), "--stage", "third", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no stage 'third'; the stages: first, second"):
+        stages.stages_main(str(script), functions, default_out="runs/recipe")
