@@ -5,6 +5,8 @@
 #   python recipes/bfcl/carry.py restore docs/runs/bfcl_multi_turn/run2 /work/runs/bfcl_protocol
 #   git worktree add --detach /work/bfclrun HEAD; mkdir -p /work/runs/logs
 #   setsid nohup docs/runs/bfcl_multi_turn/run2/drive.sh rft_samples_part12 rft eval_rft_part1 ... &
+# While /work/runs/HOLD exists no new stage starts (the one in flight runs on): the machine's two
+# cores are then free for a timing benchmark that needs them quiet.
 # Run BFCL protocol stages in order from the worktree /work/bfclrun; after each stage that
 # succeeds, carry the run into /work/main's docs folder and commit only that folder.
 OUT=/work/runs/bfcl_protocol
@@ -12,6 +14,7 @@ LOG=/work/runs/logs
 PY=/work/main/.venv/bin/python
 export PYTHONPATH=/work/bfclrun/src HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline DO_NOT_TRACK=1 OMP_NUM_THREADS=2
 for stage in "$@"; do
+  while [ -e /work/runs/HOLD ]; do sleep 30; done
   if [ -e "$OUT/$stage.json" ]; then echo "$(date +%T) $stage done before" >> $LOG/drive.log; continue; fi
   echo "$(date +%T) $stage start" >> $LOG/drive.log
   (cd /work/bfclrun && $PY recipes/bfcl/protocol_run.py --stage "$stage" "$OUT") > "$LOG/$stage.log" 2>&1
