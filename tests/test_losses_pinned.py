@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from post_training_cookbook.trainer.losses import BatchTotals, get_loss_fn
+from post_training_cookbook.trainer.objective import BatchTotals, get_loss_fn
 from post_training_cookbook.trainer.types import TRAINER_LOSS_TYPES, LossConfig
 
 PINNED = Path(__file__).parent / "data" / "losses_pinned.json"
@@ -40,10 +40,8 @@ KNOBS: dict[str, dict[str, Any]] = {
 
 def inputs() -> dict[str, torch.Tensor]:
     index = torch.arange(ROWS * POSITIONS, dtype=torch.float64).reshape(ROWS, POSITIONS)
-    mask = torch.tensor(
-        [[0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0], [0, 1, 0, 1, 1, 0, 1]],
-        dtype=torch.float64,
-    )
+    rows = [[0, 1, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1], [0] * 7, [0, 1, 0, 1, 1, 0, 1]]
+    mask = torch.tensor(rows, dtype=torch.float64)
     logprobs = -1.5 + torch.sin(index * 1.3)
     sampler = (logprobs - 0.4 * torch.sin(index * 0.7 + 0.3)) * mask
     trainer_old = logprobs + 0.15 * torch.cos(index * 0.9)

@@ -31,7 +31,6 @@ from post_training_cookbook.distill.config import (
     TeacherConfig,
     nest_flat_teacher_names,
 )
-from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnRewards
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
     IN_0_1_CLOSED,
@@ -83,7 +82,12 @@ from post_training_cookbook.service.types import (
     WeightSyncType,
     WeightTransport,
 )
-from post_training_cookbook.trainer.types import LossType, PackingMode
+from post_training_cookbook.trainer.types import (
+    AdvantageNormalization,
+    LossType,
+    PackingMode,
+    TurnRewards,
+)
 
 ConfigYamlLoader = ConfigYamlLoader  # the CLI reads YAML with it
 

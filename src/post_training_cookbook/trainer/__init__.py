@@ -1,16 +1,17 @@
-"""The trainer: one causal LM (full weight or LoRA), its losses and one AdamW step.
+"""The trainer: one causal LM (full weight or LoRA), its objective and one AdamW step.
 
 Below the service layer: ``service/`` puts a trainer behind ``ModelService`` (in this process
 or as Ray actors); the trainer knows nothing of generators or weight sync. Modules:
 ``trainer`` (``Trainer(model, settings)``: forward_backward, optim_step, checkpoints),
-``logprobs`` (token log-probabilities of micro-batches), ``losses`` (the policy-gradient
-losses), ``precision`` (bf16 weights with fp32 masters), ``attention`` (the CPU attention
-choice), ``packing`` and ``packed_layout`` (micro-batches as token streams, shared prefixes
-once), ``scoring`` (a model that scores tokens, forward only: a local teacher, the server's
-prompt scorer), ``memory_plan`` (micro-batch size and checkpointing from free memory),
-``checkpoints``, ``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks and their DCP
-checkpoints). The records (``types``: ``TrainerSettings`` in, results out) import without
-torch; ``Trainer`` is imported on first use.
+``logprobs`` (token log-probabilities of micro-batches), ``objective`` (a GRPO step's
+objective: group advantages, the policy-gradient loss and its variants, SFT's loss; its old
+path ``losses`` warns), ``precision`` (bf16 weights with fp32 masters), ``attention`` (the
+CPU attention choice), ``packing`` and ``packed_layout`` (micro-batches as token streams,
+shared prefixes once), ``scoring`` (a model that scores tokens, forward only: a local
+teacher, the server's prompt scorer), ``memory_plan`` (micro-batch size and checkpointing
+from free memory), ``checkpoints``, ``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks
+and their DCP checkpoints). The records (``types``: ``TrainerSettings`` in, results out)
+import without torch; ``Trainer`` is imported on first use.
 """
 
 from __future__ import annotations
