@@ -86,42 +86,6 @@ def group_advantages(
 # ---------------------------------------------------------------- 2-4. the loss
 
 
-@dataclass(frozen=True)
-class BatchTotals:
-    """Normalisers taken over the whole batch, shared by all its micro-batches."""
-
-    num_sequences: int
-    """Sequences with at least one trained token."""
-    num_tokens: float
-    """Sum of the mask over the batch."""
-    max_sequence_tokens: float
-    """Largest per-sequence mask sum: Dr. GRPO's default horizon."""
-
-    @classmethod
-    def of(cls, mask: Tensor) -> BatchTotals:
-        per_sequence = mask.sum(dim=-1)
-        return cls(
-            num_sequences=int((per_sequence > 0).sum().item()),
-            num_tokens=float(per_sequence.sum().item()),
-            max_sequence_tokens=float(per_sequence.max().item()) if mask.numel() else 0.0,
-        )
-
-
-class LossFn(Protocol):
-    def __call__(
-        self,
-        logprobs: Tensor,
-        sampler_logprobs: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        config: LossConfig,
-        *,
-        reference_logprobs: Tensor | None = None,
-        trainer_old_logprobs: Tensor | None = None,
-        totals: BatchTotals | None = None,
-    ) -> tuple[Tensor, Metrics]: ...
-
-
 def policy_loss(
     logprobs: Tensor,
     sampler_logprobs: Tensor,
@@ -224,6 +188,27 @@ def k3_kl(logprobs: Tensor, reference_logprobs: Tensor | None) -> Tensor:
 # Each divides by the whole batch's totals, so micro-batch shares sum to the batch's loss.
 
 
+@dataclass(frozen=True)
+class BatchTotals:
+    """Normalisers taken over the whole batch, shared by all its micro-batches."""
+
+    num_sequences: int
+    """Sequences with at least one trained token."""
+    num_tokens: float
+    """Sum of the mask over the batch."""
+    max_sequence_tokens: float
+    """Largest per-sequence mask sum: Dr. GRPO's default horizon."""
+
+    @classmethod
+    def of(cls, mask: Tensor) -> BatchTotals:
+        per_sequence = mask.sum(dim=-1)
+        return cls(
+            num_sequences=int((per_sequence > 0).sum().item()),
+            num_tokens=float(per_sequence.sum().item()),
+            max_sequence_tokens=float(per_sequence.max().item()) if mask.numel() else 0.0,
+        )
+
+
 def sequence_mean(terms: Tensor, mask: Tensor, totals: BatchTotals, config: LossConfig) -> Tensor:
     """GRPO, GSPO: L = (1/G) Σ_i (1/|o_i|) Σ_{t∈o_i} ℓ_t; every sequence counts the same."""
     return per_sequence_means(terms, mask).sum() / max(totals.num_sequences, 1)
@@ -313,6 +298,21 @@ def sft_loss(
     totals = totals or BatchTotals.of(mask)
     loss = token_mean(-logprobs, mask, totals, config)
     return loss, {"loss/nll": -masked_mean(logprobs.detach(), mask)}
+
+
+class LossFn(Protocol):
+    def __call__(
+        self,
+        logprobs: Tensor,
+        sampler_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        config: LossConfig,
+        *,
+        reference_logprobs: Tensor | None = None,
+        trainer_old_logprobs: Tensor | None = None,
+        totals: BatchTotals | None = None,
+    ) -> tuple[Tensor, Metrics]: ...
 
 
 LOSS_FNS: dict[str, LossFn] = {loss_type: policy_loss for loss_type in LOSS_TYPES}
