@@ -120,6 +120,22 @@ class Env(abc.ABC):
         """Release what ``reset`` started. Called once per episode end, for every cause."""
 
 
+class RecordingEnv(Env):
+    """An ``Env`` that keeps the tools it shows in ``_tools`` and the conversation in
+    ``_messages``; ``tool_specs`` and ``messages`` hand out copies of them."""
+
+    _tools: list[ToolSpec]
+    _messages: list[Message]
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return list(self._tools)
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+
 EnvFactory = Callable[[Task], Env]
 """Builds a fresh env for each episode of a task: ``env_factory(task)``."""
 
