@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -138,6 +139,18 @@ class RecordingEnv(Env):
 
 EnvFactory = Callable[[Task], Env]
 """Builds a fresh env for each episode of a task: ``env_factory(task)``."""
+
+
+def env_class_parameters(env_factory: object) -> list[inspect.Parameter] | None:
+    """The constructor's parameters when ``env_factory`` is an ``Env`` class itself rather
+    than a factory (``env_factory(task)`` then hands the task to the first of them); None for
+    anything else, or a class whose signature cannot be read."""
+    if not (inspect.isclass(env_factory) and issubclass(env_factory, Env)):
+        return None
+    try:
+        return list(inspect.signature(env_factory).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 @runtime_checkable
