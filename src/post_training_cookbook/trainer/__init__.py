@@ -16,9 +16,9 @@ import without torch; ``Trainer`` is imported on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.trainer.types import (
     LOSS_TYPES,
     ForwardBackwardResult,
@@ -47,8 +47,4 @@ __all__ = [
     "TrainingSample",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Trainer":
-        return importlib.import_module("post_training_cookbook.trainer.trainer").Trainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, lazy={"Trainer": "post_training_cookbook.trainer.trainer"})
