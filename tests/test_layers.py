@@ -2,8 +2,8 @@
 folder, no import points from a lower layer to a higher one or crosses folders inside a row,
 no circle of imports runs through two folders, and none runs between the modules of one
 folder. Imports inside functions and under ``TYPE_CHECKING`` count as imports throughout, so
-a circle cannot be hidden by importing one side late. And the path from the loop to an env is
-as short as the doc says."""
+a circle cannot be hidden by importing one side late. And the paths from the loop to an env
+and to the loss are as short as the doc says."""
 
 from __future__ import annotations
 
@@ -11,13 +11,21 @@ import ast
 import asyncio
 import re
 import shutil
+import sys
+import threading
 from pathlib import Path
+from types import CodeType, FrameType
 from typing import Any, NamedTuple
 
-from test_grpo_common import Closes, ModeEnv, mode_tasks, quick_config
+import pytest
+from test_grpo_common import Closes, ModeEnv, mode_envs, mode_tasks, quick_config
+from torch import Tensor
 
+from post_training_cookbook import sync
 from post_training_cookbook.envs import Task
 from post_training_cookbook.grpo.train import train_multi_turn
+from post_training_cookbook.trainer import objective
+from post_training_cookbook.trainer.types import LossConfig
 from post_training_cookbook.types import Message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -452,3 +460,87 @@ def test_frames_from_run_lockstep_to_env_reset_are_the_nine_the_doc_lists(
     doc = DOC.read_text()
     listed = "`run_lockstep`, `collect_groups`,\n`play_groups`, `run_episode`, `TokenDriver.play`"
     assert listed in doc and "`reset_env`, `call_env`, `Stretches`,\n`env.reset`" in doc
+
+
+# ---------------------------------------------------------------- the path to the loss
+
+
+def place_of(code: CodeType) -> str:
+    """``name (folder/)`` of a function of the package (``name (.)`` at its top); ``""`` for
+    anyone else's (Python's threads and event loop)."""
+    package = Path(sync.__file__).parent  # the package imported, wherever it is
+    path = Path(code.co_filename)
+    if not path.is_relative_to(package):
+        return ""
+    parts = path.relative_to(package).parts
+    return f"{code.co_qualname} ({parts[0] + '/' if len(parts) > 1 else '.'})"
+
+
+def stack_places(frame: FrameType | None) -> list[str]:
+    """The package's functions on a thread's stack, outermost first."""
+    places = []
+    while frame is not None:
+        places.append(place_of(frame.f_code))
+        frame = frame.f_back
+    return [place for place in reversed(places) if place]
+
+
+def awaiting_places(coroutine: Any) -> list[str]:
+    """``awaiting_frames``, each with its folder."""
+    places = []
+    while coroutine is not None and getattr(coroutine, "cr_code", None) is not None:
+        places.append(place_of(coroutine.cr_code))
+        coroutine = coroutine.cr_await
+    return places
+
+
+def test_the_path_from_train_multi_turn_to_the_loss_is_the_ten_frames_the_doc_lists(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Recorded from inside ``policy_loss``, in a real run: the trainer thread's stack, the
+    main thread's, and the coroutines the loop's task awaits through."""
+    chains: dict[str, list[str]] = {}
+
+    def recording_terms(
+        logprobs: Tensor, log_ratio: Tensor, advantages: Tensor, mask: Tensor, c: LossConfig
+    ) -> tuple[Tensor, dict[str, float]]:
+        if not chains:
+            main = sys._current_frames()[threading.main_thread().ident or 0]
+            tasks = asyncio.all_tasks(sync.process_loop())
+            task = next(t for t in tasks if "_train" in awaiting_frames(t.get_coro()))
+            below_the_loop = stack_places(main)  # (and whatever the loop runs just now)
+            chains.update(
+                main=below_the_loop[: below_the_loop.index("_on_process_loop (.)") + 1],
+                trainer=stack_places(sys._getframe(1)),
+                loop=awaiting_places(task.get_coro()),
+            )
+        return objective.ppo_clip(logprobs, log_ratio, advantages, mask, c)
+
+    variant = objective.Variant(recording_terms, objective.sequence_mean)
+    monkeypatch.setitem(objective.VARIANTS, "grpo", variant)
+    config = quick_config(tiny_llama_dir, tmp_path, episodes_per_task=2, max_turns=1)
+    train_multi_turn(config, mode_tasks(["answer", "env"]), mode_envs(Closes()))  # rewards vary
+    assert chains, "the run trained no batch"
+    assert chains["main"] == [
+        "train_multi_turn (grpo/)",  # a sync entry point: the loop is a coroutine
+        "run_sync (.)",
+        "_on_process_loop (.)",
+    ]
+    assert chains["loop"] == [
+        "_train (grpo/)",  # opens the run (service, run folder, W&B), picks the loop
+        "run_lockstep (grpo/)",
+        "train (grpo/)",  # phase 3, which the async loop shares
+        "LocalModelService.forward_backward (service/)",  # in this process, or on Ray
+        "LocalModelService._on_trainer (service/)",  # awaits the trainer thread
+    ]
+    assert chains["trainer"] == [  # on the trainer thread, so the event loop goes on
+        "Trainer.forward_backward (trainer/)",  # log π_θ of each micro-batch, backward
+        "policy_loss (trainer/)",  # the loss: ratio, terms, aggregation (trainer/objective.py)
+    ]
+    frames = chains["main"] + chains["loop"] + chains["trainer"]
+    assert len(frames) == 10
+    assert {frame.split()[-1] for frame in frames} == {"(grpo/)", "(.)", "(service/)", "(trainer/)"}
+    listed = "`train_multi_turn`, `run_sync`, `_on_process_loop`, `_train`, `run_lockstep`,\n"
+    listed += "`train`, `LocalModelService.forward_backward`, `_on_trainer`,\n"
+    listed += "`Trainer.forward_backward`, `policy_loss`"
+    assert listed in DOC.read_text()

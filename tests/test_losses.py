@@ -1,4 +1,5 @@
-"""Policy-gradient losses against numbers worked out by hand, and their gradients.
+"""The objective's policy-gradient loss, each variant against numbers worked out by hand, and
+their gradients.
 
 The shared batch: two sequences, four positions each (position 0 never trained).
 
@@ -19,15 +20,11 @@ import pytest
 import torch
 
 from post_training_cookbook.service.types import WeightSyncType
-from post_training_cookbook.trainer.losses import (
+from post_training_cookbook.trainer.objective import (
     BatchTotals,
     LossFn,
-    cispo_loss,
-    dapo_loss,
-    dr_grpo_loss,
     get_loss_fn,
-    grpo_loss,
-    gspo_loss,
+    policy_loss,
 )
 from post_training_cookbook.trainer.types import LossConfig, TrainingSample
 
@@ -64,7 +61,7 @@ def loss_and_grad(
 
 
 def test_grpo_averages_tokens_within_each_sequence_then_sequences() -> None:
-    loss, metrics, grad = loss_and_grad(grpo_loss, LossConfig(loss_type="grpo"))
+    loss, metrics, grad = loss_and_grad(policy_loss, LossConfig(loss_type="grpo"))
     expected = ((-1.2 - 0.9) / 2 + (1.6 + 2.2 + 2.6) / 3) / 2
     assert loss == pytest.approx(expected)
     assert metrics["loss/clip_high_fraction"] == pytest.approx(1 / 5)  # r=1.5 with A>0
@@ -78,21 +75,21 @@ def test_grpo_averages_tokens_within_each_sequence_then_sequences() -> None:
 
 
 def test_grpo_clipped_tokens_and_masked_positions_get_zero_gradient() -> None:
-    _, _, grad = loss_and_grad(grpo_loss, LossConfig(loss_type="grpo"))
+    _, _, grad = loss_and_grad(policy_loss, LossConfig(loss_type="grpo"))
     assert grad[0, 1].item() == 0.0  # r=1.5 > 1.2 with A>0
     assert grad[1, 1].item() == 0.0  # r=0.5 < 0.8 with A<0
     assert grad[0, 0].item() == grad[0, 3].item() == grad[1, 0].item() == 0.0
 
 
 def test_grpo_gradient_sign_follows_the_advantage() -> None:
-    _, _, grad = loss_and_grad(grpo_loss, LossConfig(loss_type="grpo", clip_low=1.0, clip_high=9))
+    _, _, grad = loss_and_grad(policy_loss, LossConfig(loss_type="grpo", clip_low=1.0, clip_high=9))
     # Gradient descent moves log π against the gradient: up for A>0, down for A<0.
     assert (grad[0, 1:3] < 0).all()
     assert (grad[1, 1:4] > 0).all()
 
 
 def test_dapo_averages_over_all_trained_tokens_of_the_batch() -> None:
-    loss, _, grad = loss_and_grad(dapo_loss, LossConfig(loss_type="dapo", clip_high=0.28))
+    loss, _, grad = loss_and_grad(policy_loss, LossConfig(loss_type="dapo", clip_high=0.28))
     # clip-higher: 1.5 is now clipped to 1.28; 1.3 with A<0 is unclipped either way.
     expected = (-1.28 - 0.9 + 1.6 + 2.2 + 2.6) / 5
     assert loss == pytest.approx(expected)
@@ -101,15 +98,15 @@ def test_dapo_averages_over_all_trained_tokens_of_the_batch() -> None:
 
 def test_dr_grpo_divides_sequence_sums_by_a_fixed_horizon() -> None:
     total = sum(TERMS.values())
-    loss, _, grad = loss_and_grad(dr_grpo_loss, LossConfig(loss_type="dr_grpo"))
+    loss, _, grad = loss_and_grad(policy_loss, LossConfig(loss_type="dr_grpo"))
     assert loss == pytest.approx(total / (2 * 3))  # default horizon: longest, 3 tokens
     assert grad[0, 2].item() == pytest.approx(-0.9 / (2 * 3))  # no per-sequence length
-    fixed, _, _ = loss_and_grad(dr_grpo_loss, LossConfig(loss_type="dr_grpo", dr_grpo_horizon=10))
+    fixed, _, _ = loss_and_grad(policy_loss, LossConfig(loss_type="dr_grpo", dr_grpo_horizon=10))
     assert fixed == pytest.approx(total / (2 * 10))
 
 
 def test_gspo_uses_one_geometric_mean_ratio_per_sequence() -> None:
-    loss, metrics, grad = loss_and_grad(gspo_loss, LossConfig(loss_type="gspo"))
+    loss, metrics, grad = loss_and_grad(policy_loss, LossConfig(loss_type="gspo"))
     s0 = math.sqrt(1.5 * 0.9)  # 1.1619: inside [0.8, 1.2]
     s1 = (0.5 * 1.1 * 1.3) ** (1 / 3)  # 0.8942
     assert loss == pytest.approx((-s0 * 1 + s1 * 2) / 2)
@@ -122,7 +119,7 @@ def test_gspo_uses_one_geometric_mean_ratio_per_sequence() -> None:
 
 def test_gspo_clips_whole_sequences_and_zeroes_their_gradient() -> None:
     config = LossConfig(loss_type="gspo", clip_low=0.05, clip_high=0.05)
-    loss, metrics, grad = loss_and_grad(gspo_loss, config)
+    loss, metrics, grad = loss_and_grad(policy_loss, config)
     assert loss == pytest.approx((-1.05 + 1.9) / 2)  # s0 → 1.05 (A>0), s1 → 0.95 (A<0)
     assert metrics["loss/clip_high_fraction"] == pytest.approx(2 / 5)  # sequence 0's tokens
     assert metrics["loss/clip_low_fraction"] == pytest.approx(3 / 5)
@@ -130,7 +127,7 @@ def test_gspo_clips_whole_sequences_and_zeroes_their_gradient() -> None:
 
 
 def test_cispo_weights_reinforce_by_a_capped_stop_gradient_ratio() -> None:
-    loss, metrics, grad = loss_and_grad(cispo_loss, LossConfig(loss_type="cispo"))
+    loss, metrics, grad = loss_and_grad(policy_loss, LossConfig(loss_type="cispo"))
     weights = {(0, 1): 1.2, (0, 2): 0.9, (1, 1): 0.5, (1, 2): 1.1, (1, 3): 1.2}
     expected = sum(
         -w * ADVANTAGES[i][t] * LOGPROBS[i][t] for (i, t), w in weights.items()
@@ -148,7 +145,7 @@ def test_k3_kl_to_the_reference_is_added_per_token() -> None:
     logprobs, _, _, mask = make_batch()
     reference = (logprobs.detach() + math.log(2.0)) * mask  # d = ln 2 on every trained token
     config = LossConfig(loss_type="grpo", kl_beta=0.1)
-    loss, metrics, _ = loss_and_grad(grpo_loss, config, reference_logprobs=reference)
+    loss, metrics, _ = loss_and_grad(policy_loss, config, reference_logprobs=reference)
     k3 = 2.0 - math.log(2.0) - 1.0
     assert metrics["loss/kl_ref"] == pytest.approx(k3)
     assert loss == pytest.approx(((-2.1) / 2 + 6.4 / 3) / 2 + 0.1 * k3)
@@ -156,13 +153,13 @@ def test_k3_kl_to_the_reference_is_added_per_token() -> None:
 
 def test_kl_without_reference_logprobs_is_an_error() -> None:
     with pytest.raises(ValueError, match="reference_logprobs"):
-        loss_and_grad(grpo_loss, LossConfig(kl_beta=0.1))
+        loss_and_grad(policy_loss, LossConfig(kl_beta=0.1))
 
 
 def test_tis_weights_terms_by_the_capped_trainer_to_sampler_ratio() -> None:
     # The trainer's pre-update policy equals the current one, so the PPO ratio is 1 and
     # each token's term is −min(π_trainer/π_sampler, cap)·A.
-    loss, metrics, grad = loss_and_grad(grpo_loss, LossConfig(loss_type="grpo", tis_cap=1.2))
+    loss, metrics, grad = loss_and_grad(policy_loss, LossConfig(loss_type="grpo", tis_cap=1.2))
     weights = [[1.2, 0.9], [0.5, 1.1, 1.2]]
     assert loss == pytest.approx((-sum(weights[0]) / 2 + 2 * sum(weights[1]) / 3) / 2)
     assert metrics["loss/tis_weight_mean"] == pytest.approx(4.9 / 5)
@@ -174,8 +171,8 @@ def test_tis_uses_given_trainer_old_logprobs_for_the_ratio() -> None:
     sampler = make_batch()[1]
     config = LossConfig(loss_type="dapo", tis_cap=10.0)
     # Old trainer policy = sampler: TIS weight 1 and the ratio is r itself, as without TIS.
-    with_tis, metrics, _ = loss_and_grad(dapo_loss, config, trainer_old_logprobs=sampler)
-    without, _, _ = loss_and_grad(dapo_loss, LossConfig(loss_type="dapo"))
+    with_tis, metrics, _ = loss_and_grad(policy_loss, config, trainer_old_logprobs=sampler)
+    without, _, _ = loss_and_grad(policy_loss, LossConfig(loss_type="dapo"))
     assert with_tis == pytest.approx(without)
     assert metrics["loss/tis_weight_mean"] == pytest.approx(1.0)
 

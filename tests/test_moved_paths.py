@@ -14,21 +14,22 @@ import pytest
 import post_training_cookbook
 from post_training_cookbook.deprecation import REMOVAL_RELEASE
 
-MOVED_MODULES = [
-    "trainer",
-    "logprobs",
-    "losses",
-    "precision",
-    "attention",
-    "checkpoints",
-    "sharded",
-    "sharded_checkpoints",
+MOVED_MODULES = [  # service.<old> → trainer.<new>
+    ("trainer", "trainer"),
+    ("logprobs", "logprobs"),
+    ("losses", "objective"),
+    ("precision", "precision"),
+    ("attention", "attention"),
+    ("checkpoints", "checkpoints"),
+    ("sharded", "sharded"),
+    ("sharded_checkpoints", "sharded_checkpoints"),
 ]
 
 
-@pytest.mark.parametrize("name", MOVED_MODULES)
-def test_old_service_module_is_the_trainer_module_and_warns(name: str) -> None:
-    old, new = f"post_training_cookbook.service.{name}", f"post_training_cookbook.trainer.{name}"
+@pytest.mark.parametrize(("name", "new_name"), MOVED_MODULES)
+def test_old_service_module_is_the_trainer_module_and_warns(name: str, new_name: str) -> None:
+    old = f"post_training_cookbook.service.{name}"
+    new = f"post_training_cookbook.trainer.{new_name}"
     sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
         module = importlib.import_module(old)
@@ -56,6 +57,14 @@ def test_service_package_names_moved_records_and_keeps_its_own() -> None:
     assert service.WeightSyncType.parse("pipeline").value == "pipeline"
     with pytest.raises(AttributeError):
         service.NoSuchThing  # noqa: B018
+
+
+def test_the_old_losses_module_is_the_objective_module_and_warns() -> None:
+    old, new = "post_training_cookbook.trainer.losses", "post_training_cookbook.trainer.objective"
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=re.escape(f"{old} moved to {new}")):
+        module = importlib.import_module(old)
+    assert module is importlib.import_module(new)
 
 
 def test_old_endpoints_module_is_the_openai_api_module_and_warns() -> None:

@@ -19,7 +19,7 @@ from post_training_cookbook.sft import SFTConfig, SFTDataError, read_conversatio
 from post_training_cookbook.sft.conversations import Conversation
 from post_training_cookbook.sft.data import plan_batches, prompt_key, render_examples
 from post_training_cookbook.sft.demonstrations import collect_demonstrations
-from post_training_cookbook.trainer.losses import BatchTotals, get_loss_fn
+from post_training_cookbook.trainer.objective import BatchTotals, get_loss_fn
 from post_training_cookbook.trainer.types import LossConfig
 
 

@@ -2,7 +2,8 @@
 module or record that now lives elsewhere.
 
 Two ways a path is kept. A module whose new home is below it in the layers names it: a shim
-file calls ``moved_module``, a module's ``__getattr__`` calls ``moved_name``. A path whose new
+file calls ``moved_module``, a module's ``__getattr__`` (``lazy.module_getattr(__name__,
+moved={name: new module})``) calls ``moved_name``. A path whose new
 home is above its old one (``envs.sandbox``, now ``tool_backends.sandbox``) cannot be named
 from there without an upward import, so the package's entry hands its table of such moves
 (``moved_paths.py``) to ``redirect``: old module paths, with every module under them, are then

@@ -38,7 +38,6 @@ import inspect
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from post_training_cookbook.agents.episode import EpisodeEndpoint, record_segments
@@ -119,12 +118,7 @@ class AgentEnvs:
     def __enter__(self) -> AgentEnvs:
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
 

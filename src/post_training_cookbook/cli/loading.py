@@ -1,7 +1,9 @@
-"""Training YAML files, and envs and tasks named by import path or file."""
+"""Config YAML files (training's, and what an SFT one shares: reading, `--set` overrides),
+and envs and tasks named by import path or file."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import json
@@ -9,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import yaml
 
@@ -17,12 +19,14 @@ if TYPE_CHECKING:
     from post_training_cookbook.envs.base import Env, EnvFactory, Task
     from post_training_cookbook.envs.mixture import EnvMixture
     from post_training_cookbook.grpo.config import GRPOConfig
+    from post_training_cookbook.runs.composed import ComposedConfig
 
 DEFAULT_ENV = "post_training_cookbook.envs.tool_use_game:ToolUseGameEnv"
 DEFAULT_TASKS = "post_training_cookbook.envs.tool_use_game:TOOL_USE_GAME_VAL_TASKS"
 ENV_KEYS = ("factory", "tasks", "val_tasks")
 MIXTURE_KEYS = ("name", "factory", "tasks", "val_tasks", "weight")
 """The keys of one entry of ``env: {mixture: [...]}``: a ``MixtureEntry`` by import paths."""
+Config = TypeVar("Config", bound="ComposedConfig")
 EnvSection = dict[str, Any]
 """A training YAML's ``env``: import paths by key (``factory``, ``tasks``, ``val_tasks``), or
 ``{"mixture": [entry, ...]}``, each entry those paths plus a ``name`` and a ``weight``."""
@@ -34,16 +38,48 @@ class CliError(Exception):
 
 def load_train_config(path: Path, overrides: Sequence[str] = ()) -> tuple[GRPOConfig, EnvSection]:
     """The GRPOConfig of a training YAML and its ``env`` section (see ``EnvSection``)."""
-    from post_training_cookbook.grpo.config import ConfigYamlLoader, GRPOConfig
-    from post_training_cookbook.runs.composed import override
+    from post_training_cookbook.grpo.config import GRPOConfig
+
+    data = config_mapping(path, "GRPOConfig fields and an env section")
+    env = _env_section(path, data.pop("env", None) or {})
+    return built_config(GRPOConfig, path, data, overrides), env
+
+
+def add_set_option(parser: argparse.ArgumentParser, field: str, example: str) -> None:
+    """The ``--set FIELD=VALUE`` option of a command whose YAML holds a config's fields
+    (``field``: "a GRPOConfig field"; ``example``: an override by a field's own name)."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help=f"override {field}, by its path (optimizer.lora_rank=32) or own name "
+        f"({example}); VALUE read as YAML; repeatable",
+    )
+
+
+def config_mapping(path: Path, holds: str) -> dict[str, Any]:
+    """The mapping a config YAML holds (``holds`` says of what, for the error)."""
+    from post_training_cookbook.runs.config import ConfigYamlLoader
 
     try:
         data = yaml.load(path.read_text(), Loader=ConfigYamlLoader) or {}
     except yaml.YAMLError as exc:
         raise CliError(f"{path}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
-        raise CliError(f"{path}: expected a mapping of GRPOConfig fields and an env section")
-    env = _env_section(path, data.pop("env", None) or {})
+        raise CliError(f"{path}: expected a mapping of {holds}")
+    return data
+
+
+def built_config(
+    config_type: type[Config], path: Path, data: dict[str, Any], overrides: Sequence[str]
+) -> Config:
+    """``config_type`` of the fields ``data`` read from ``path``, with each ``--set
+    FIELD=VALUE`` of ``overrides`` applied (VALUE read as YAML); a problem is a ``CliError``."""
+    from post_training_cookbook.runs.composed import override
+    from post_training_cookbook.runs.config import ConfigYamlLoader
+
     for setting in overrides:
         key, sep, value = setting.partition("=")
         if not sep or not key:
@@ -53,9 +89,9 @@ def load_train_config(path: Path, overrides: Sequence[str] = ()) -> tuple[GRPOCo
         except yaml.YAMLError as exc:
             reason = " ".join(str(exc).split())
             raise CliError(f"{key.strip()}: its --set value is not valid YAML ({reason})") from None
-        override(GRPOConfig, data, key.strip(), parsed)
+        override(config_type, data, key.strip(), parsed)
     try:
-        return GRPOConfig.from_dict(data), env
+        return config_type.from_dict(data)
     except ValueError as exc:
         raise CliError(f"{path}: {exc}") from exc
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from post_training_cookbook.cli import commands
-from post_training_cookbook.cli.loading import DEFAULT_ENV, DEFAULT_TASKS, CliError
+from post_training_cookbook.cli.loading import DEFAULT_ENV, DEFAULT_TASKS, CliError, add_set_option
 from post_training_cookbook.cli.sft import add_sft
 from post_training_cookbook.runs.stopping import TrainingStopped
 
@@ -108,15 +108,7 @@ def _add_train(subparsers: Any) -> None:
         "example: %(prog)s run.yaml --set optimizer.num_steps=2 --set checkpoints.run_name=smoke",
     )
     parser.add_argument("config", type=Path, help="YAML file: GRPOConfig fields + env section")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override a GRPOConfig field, by its path (optimizer.lora_rank=32) or own name "
-        "(batch_size=4); VALUE read as YAML; repeatable",
-    )
+    add_set_option(parser, "a GRPOConfig field", "batch_size=4")
     parser.set_defaults(run=commands.run_train)
 
 

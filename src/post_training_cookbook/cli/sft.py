@@ -19,9 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from post_training_cookbook.cli.loading import CliError
+from post_training_cookbook.cli.loading import (
+    CliError,
+    add_set_option,
+    built_config,
+    config_mapping,
+)
 
 if TYPE_CHECKING:
     from post_training_cookbook.sft.config import SFTConfig
@@ -33,26 +36,11 @@ def load_sft_config(
     path: Path, overrides: Sequence[str] = ()
 ) -> tuple[SFTConfig, Path, Path | None]:
     """The SFTConfig of an SFT YAML and its train and validation files."""
-    from post_training_cookbook.grpo.config import ConfigYamlLoader
-    from post_training_cookbook.runs.composed import override
     from post_training_cookbook.sft.config import SFTConfig
 
-    try:
-        data = yaml.load(path.read_text(), Loader=ConfigYamlLoader) or {}
-    except yaml.YAMLError as exc:
-        raise CliError(f"{path}: not valid YAML: {exc}") from exc
-    if not isinstance(data, dict):
-        raise CliError(f"{path}: expected a mapping of SFTConfig fields and a data section")
+    data = config_mapping(path, "SFTConfig fields and a data section")
     files = _data_section(path, data.pop("data", None))
-    for setting in overrides:
-        key, sep, value = setting.partition("=")
-        if not sep or not key:
-            raise CliError(f"--set expects FIELD=VALUE, got {setting!r}")
-        override(SFTConfig, data, key.strip(), yaml.load(value, Loader=ConfigYamlLoader))
-    try:
-        config = SFTConfig.from_dict(data)
-    except ValueError as exc:
-        raise CliError(f"{path}: {exc}") from exc
+    config = built_config(SFTConfig, path, data, overrides)
     val = files.get("val")
     return config, Path(files["train"]), Path(val) if val is not None else None
 
@@ -103,13 +91,5 @@ def add_sft(subparsers: Any, command: Any) -> None:
         "example: %(prog)s sft.yaml --set optimizer.num_steps=2 --set checkpoints.run_name=smoke",
     )
     parser.add_argument("config", type=Path, help="YAML file: SFTConfig fields + data section")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="override an SFTConfig field, by its path (optimizer.lora_rank=32) or own name "
-        "(num_epochs=2); VALUE read as YAML; repeatable",
-    )
+    add_set_option(parser, "an SFTConfig field", "num_epochs=2")
     parser.set_defaults(run=run_sft)

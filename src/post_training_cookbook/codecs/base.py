@@ -57,15 +57,29 @@ class Codec(abc.ABC):
     that returns a web page cannot forge turn boundaries in the training data. True: such
     text becomes the control token, as ``apply_chat_template`` would make it."""
 
+    _stop_token_ids: tuple[int, ...]
+    """Set by each codec's constructor; read through ``stop_token_ids``."""
+
+    def _protected(self, messages: Iterable[Message]) -> list[str]:
+        """The texts of ``messages`` whose control-token spellings stay plain text (none when
+        ``control_tokens_in_content``)."""
+        return [] if self.control_tokens_in_content else message_texts(messages)
+
     def _encode_rendered(self, text: str, messages: Iterable[Message]) -> list[int]:
         """The ids of ``text``, rendered from ``messages``, their contents protected."""
-        contents = () if self.control_tokens_in_content else message_texts(messages)
-        return encode_text(self.tokenizer, text, contents)
+        return encode_text(self.tokenizer, text, self._protected(messages))
+
+    def _encode_conversation(
+        self, segments: list[Segment], messages: Iterable[Message]
+    ) -> tuple[list[int], list[int]]:
+        """``encode_segments`` of a conversation rendered from ``messages``, their contents
+        protected: what ``render_conversation`` returns."""
+        return encode_segments(self.tokenizer, segments, self._protected(messages))
 
     @property
-    @abc.abstractmethod
     def stop_token_ids(self) -> tuple[int, ...]:
         """Token ids that end an assistant turn; the engine stops sampling on any of them."""
+        return self._stop_token_ids
 
     @abc.abstractmethod
     def render_prompt(

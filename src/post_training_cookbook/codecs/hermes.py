@@ -26,13 +26,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from post_training_cookbook.codecs.base import (
-    Codec,
-    ParsedMessage,
-    Segment,
-    encode_segments,
-    message_texts,
-)
+from post_training_cookbook.codecs.base import Codec, ParsedMessage, Segment
 from post_training_cookbook.codecs.tool_calls import (
     ParseError,
     canonical_arguments,
@@ -130,10 +124,6 @@ class HermesCodec(Codec):
         candidates = [im_end_id, tokenizer.eos_token_id, single_token_id(tokenizer, END_OF_TEXT)]
         self._stop_token_ids = tuple(dict.fromkeys(i for i in candidates if isinstance(i, int)))
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._stop_token_ids
-
     def render_prompt(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> list[int]:
@@ -168,10 +158,7 @@ class HermesCodec(Codec):
     ) -> tuple[list[int], list[int]]:
         if not messages:
             raise ValueError("cannot render an empty conversation")
-        protected = [] if self.control_tokens_in_content else message_texts(messages)
-        return encode_segments(
-            self.tokenizer, self._conversation_segments(messages, tools), protected
-        )
+        return self._encode_conversation(self._conversation_segments(messages, tools), messages)
 
     # The format, as text segments; subclasses change the pieces that differ.
 

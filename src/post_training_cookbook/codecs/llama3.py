@@ -38,13 +38,7 @@ import re
 
 from transformers import PreTrainedTokenizerBase
 
-from post_training_cookbook.codecs.base import (
-    Codec,
-    ParsedMessage,
-    Segment,
-    encode_segments,
-    message_texts,
-)
+from post_training_cookbook.codecs.base import Codec, ParsedMessage, Segment
 from post_training_cookbook.codecs.hermes import parse_guarded, single_token_id, text_of
 from post_training_cookbook.codecs.tool_calls import (
     ParseError,
@@ -111,10 +105,6 @@ class Llama3Codec(Codec):
     def default_date() -> str:
         return LLAMA31_DATE
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._stop_token_ids
-
     def render_prompt(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> list[int]:
@@ -141,10 +131,7 @@ class Llama3Codec(Codec):
     def render_conversation(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> tuple[list[int], list[int]]:
-        protected = [] if self.control_tokens_in_content else message_texts(messages)
-        return encode_segments(
-            self.tokenizer, self._conversation_segments(messages, tools), protected
-        )
+        return self._encode_conversation(self._conversation_segments(messages, tools), messages)
 
     def _conversation_segments(
         self, messages: list[Message], tools: list[ToolSpec] | None

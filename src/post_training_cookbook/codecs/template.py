@@ -28,13 +28,7 @@ from typing import Any, cast
 
 from transformers import PreTrainedTokenizerBase
 
-from post_training_cookbook.codecs.base import (
-    Codec,
-    ParsedMessage,
-    Segment,
-    encode_segments,
-    message_texts,
-)
+from post_training_cookbook.codecs.base import Codec, ParsedMessage, Segment
 from post_training_cookbook.codecs.hermes import parse_guarded, single_token_id
 from post_training_cookbook.codecs.tool_calls import (
     ParseError,
@@ -92,10 +86,6 @@ class TemplateCodec(Codec):
         if not self._stop_token_ids:
             raise ValueError(f"model {self.model!r}: no single-token end of turn found")
 
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return self._stop_token_ids
-
     def render_prompt(
         self, messages: list[Message], tools: list[ToolSpec] | None = None
     ) -> list[int]:
@@ -149,8 +139,7 @@ class TemplateCodec(Codec):
             ]
             position = len(through)
         segments.append((whole[position:], False))
-        protected = [] if self.control_tokens_in_content else message_texts(messages)
-        return encode_segments(self.tokenizer, [s for s in segments if s[0]], protected)
+        return self._encode_conversation([s for s in segments if s[0]], messages)
 
     # ---- helpers ----
 

@@ -17,9 +17,9 @@ import asyncio
 import os
 from typing import Any
 
-from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.distill.endpoint import EndpointTeacher
 from post_training_cookbook.distill.types import ScoringSettings, Teacher, TeacherSpec
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.models.catalog import ModelInfo
 from post_training_cookbook.runs.models import load_eval_weights, resolve_eval_model
 from post_training_cookbook.trainer.scoring import LocalScorer
@@ -93,10 +93,7 @@ TEACHER_API_KEY_ENV = "TEACHER_API_KEY"
 config, which the run folder keeps)."""
 
 
-def __getattr__(name: str) -> object:
-    if name in _MOVED_TO_TYPES:
-        return moved_name(__name__, name, "post_training_cookbook.distill.types")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 _MOVED_TO_TYPES = {"TeacherAnswerError", "TeacherCallError", "TeacherError"}
+__getattr__ = module_getattr(
+    __name__, moved=dict.fromkeys(_MOVED_TO_TYPES, "post_training_cookbook.distill.types")
+)

@@ -6,10 +6,10 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from post_training_cookbook.engine.types import PolicySegment, SampledSequence, SamplingParams
+from post_training_cookbook.lazy import module_getattr
 
 if TYPE_CHECKING:
     from post_training_cookbook.engine.local import EngineStats, LocalEngine
@@ -21,8 +21,4 @@ _LAZY = {
 
 __all__ = ["EngineStats", "LocalEngine", "PolicySegment", "SampledSequence", "SamplingParams"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, lazy=_LAZY)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -120,8 +121,36 @@ class Env(abc.ABC):
         """Release what ``reset`` started. Called once per episode end, for every cause."""
 
 
+class RecordingEnv(Env):
+    """An ``Env`` that keeps the tools it shows in ``_tools`` and the conversation in
+    ``_messages``; ``tool_specs`` and ``messages`` hand out copies of them."""
+
+    _tools: list[ToolSpec]
+    _messages: list[Message]
+
+    @property
+    def tool_specs(self) -> list[ToolSpec]:
+        return list(self._tools)
+
+    @property
+    def messages(self) -> list[Message]:
+        return list(self._messages)
+
+
 EnvFactory = Callable[[Task], Env]
 """Builds a fresh env for each episode of a task: ``env_factory(task)``."""
+
+
+def env_class_parameters(env_factory: object) -> list[inspect.Parameter] | None:
+    """The constructor's parameters when ``env_factory`` is an ``Env`` class itself rather
+    than a factory (``env_factory(task)`` then hands the task to the first of them); None for
+    anything else, or a class whose signature cannot be read."""
+    if not (inspect.isclass(env_factory) and issubclass(env_factory, Env)):
+        return None
+    try:
+        return list(inspect.signature(env_factory).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 @runtime_checkable

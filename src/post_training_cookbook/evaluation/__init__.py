@@ -16,8 +16,6 @@ docs/tau2.md),
 ``local_judge`` runs a judge model for judge rewards (``LocalJudge``, imported on first use).
 """
 
-from typing import Any
-
 from post_training_cookbook.evaluation.benchmarks import BenchmarkSpec
 from post_training_cookbook.evaluation.hosted import HostedEndpointError, HostedModel
 from post_training_cookbook.evaluation.models import EvalModel, resolve_eval_model
@@ -32,6 +30,7 @@ from post_training_cookbook.evaluation.results import (
 )
 from post_training_cookbook.evaluation.runner import aevaluate, evaluate
 from post_training_cookbook.evaluation.scores import BenchmarkScore, CategoryScore
+from post_training_cookbook.lazy import module_getattr
 
 __all__ = [
     "BenchmarkScore",
@@ -53,10 +52,6 @@ __all__ = [
     "resolve_eval_model",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "LocalJudge":
-        from post_training_cookbook.evaluation.local_judge import LocalJudge
-
-        return LocalJudge
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(
+    __name__, lazy={"LocalJudge": "post_training_cookbook.evaluation.local_judge"}
+)

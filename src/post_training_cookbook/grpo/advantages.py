@@ -7,7 +7,8 @@ are informative, group-relative advantages, and the training samples the trainer
   only then are its advantages not all zero. Other groups are skipped and counted, not
   trained on with zero advantages; ``reward_variance_share`` uses the same rule.
 - Advantage = shaped reward − group mean, divided by the group's std under
-  ``normalization="mean_std"``.
+  ``normalization="mean_std"``: ``group_advantages``, step 1 of the objective, which reads
+  on to the loss in ``trainer/objective.py``.
 - ``overlong_masking``: truncated episodes of any cause give no sample, but their rewards
   stay in the group baseline.
 - Every sampled token of an episode gets the episode's advantage; forced tokens get 0.
@@ -20,19 +21,19 @@ are informative, group-relative advantages, and the training samples the trainer
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from post_training_cookbook.models.moe_routing import RoutedExperts
 from post_training_cookbook.rollout import Episode, Group, TruncationCause, has_reward_variance
-from post_training_cookbook.trainer.types import TrainingSample
+from post_training_cookbook.trainer.objective import group_advantages
+from post_training_cookbook.trainer.types import (
+    AdvantageNormalization,
+    TrainingSample,
+    TurnRewards,
+)
 
-AdvantageNormalization = Literal["mean", "mean_std"]
-TurnRewards = Literal["final", "per_step"]
 PENALISED_CAUSES = (TruncationCause.CONTEXT_OVERFLOW, TruncationCause.MAX_TURNS)
-_STD_FLOOR = 1e-6
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,6 @@ def is_informative(group: Group, settings: AdvantageSettings) -> bool:
         ))  # fmt: skip
     shaping = settings.shaping
     return has_reward_variance([shaping.shaped_reward(episode) for episode in group.episodes])
-
-
-def group_advantages(
-    rewards: Sequence[float], normalization: AdvantageNormalization
-) -> list[float]:
-    mean = statistics.fmean(rewards)
-    centered = [reward - mean for reward in rewards]
-    if normalization == "mean_std":
-        std = max(statistics.pstdev(rewards), _STD_FLOOR)
-        return [value / std for value in centered]
-    return centered
 
 
 @dataclass

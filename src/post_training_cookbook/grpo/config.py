@@ -21,9 +21,7 @@ again. This module imports neither torch nor wandb.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from post_training_cookbook.distill.config import (
@@ -31,7 +29,6 @@ from post_training_cookbook.distill.config import (
     TeacherConfig,
     nest_flat_teacher_names,
 )
-from post_training_cookbook.grpo.advantages import AdvantageNormalization, TurnRewards
 from post_training_cookbook.grpo.validation import (
     BUFFER_ADVICE,
     IN_0_1_CLOSED,
@@ -62,7 +59,6 @@ from post_training_cookbook.runs.config import (
     at_most_field,
     gpus_on_ray,
     holds,
-    model_short_name,
     non_negative,
     only_when,
     positive,
@@ -83,7 +79,12 @@ from post_training_cookbook.service.types import (
     WeightSyncType,
     WeightTransport,
 )
-from post_training_cookbook.trainer.types import LossType, PackingMode
+from post_training_cookbook.trainer.types import (
+    AdvantageNormalization,
+    LossType,
+    PackingMode,
+    TurnRewards,
+)
 
 ConfigYamlLoader = ConfigYamlLoader  # the CLI reads YAML with it
 
@@ -98,6 +99,7 @@ class GRPOConfig(ComposedConfig):
     section's field (``runs/composed.py``). Field table and rules: docs/grpo_config.md."""
 
     config_name: ClassVar[str] = "GRPOConfig"
+    run_name_prefix: ClassVar[str] = "grpo"
     legacy_keys: ClassVar[frozenset[str]] = frozenset(FLAT_TEACHER_NAMES)
     """The flat distillation names of an old config.yaml (``nest_flat_teacher_names``)."""
     docs: ClassVar[str] = "fields in docs/grpo_config.md"
@@ -329,32 +331,6 @@ class GRPOConfig(ComposedConfig):
     @property
     def effective_groups_in_flight(self) -> int:
         return self.groups_in_flight if self.groups_in_flight is not None else self.batch_size
-
-    def resolved_run_name(self, now: datetime | None = None) -> str:
-        """``run_name``, or ``grpo-<model short name>-<UTC timestamp>`` when it is None.
-        The timestamp changes from call to call, so the loop fixes the name once with
-        ``with_resolved_run_name()``."""
-        if self.run_name is not None:
-            return self.run_name
-        stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
-        return f"grpo-{model_short_name(self.model)}-{stamp}"
-
-    def with_resolved_run_name(self, now: datetime | None = None) -> GRPOConfig:
-        """This config with ``run_name`` fixed. The loop calls it once and writes the result
-        to config.yaml, so that the saved config resumes the same folder."""
-        if self.run_name is not None:
-            return self
-        named = replace(self.checkpoints, run_name=self.resolved_run_name(now))
-        return replace(self, checkpoints=named)
-
-    def run_dir(self) -> Path:
-        """``runs_dir/run_name``. ``run_name`` must be set (see ``with_resolved_run_name``)."""
-        if self.run_name is None:
-            raise ValueError(
-                "run_dir() needs a run_name: call config.with_resolved_run_name() once, so "
-                "that every file of the run lands in one folder"
-            )
-        return Path(self.runs_dir) / self.run_name
 
     # Validation: normalise, then types, then each field's rules (``validate``).
 

@@ -4,6 +4,7 @@
                    sampling plays more rounds while too few groups are informative
     2. score       shaped rewards → group-relative advantages → training samples
     3. train       forward_backward → optim_step → weights_sync (SYNCHRONOUS in lockstep)
+                   What 2 and 3 optimise, advantages to loss, is ``trainer/objective.py``.
     4. record      the step's rollout dump; metrics.jsonl, W&B, console
     5. checkpoint  on schedule, with the task cursor, so a resumed run sees the same tasks;
                    and when a scheduler asked the run to stop (SIGTERM): then it stops here

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.distill.types import Teacher
 from post_training_cookbook.engine.types import SamplingParams
 from post_training_cookbook.grpo.config import GRPOConfig
 from post_training_cookbook.grpo.settings import RunSettings
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.rollout import EpisodeRunner
 from post_training_cookbook.runs import directory
 from post_training_cookbook.runs.directory import LoopState as SavedLoopState
@@ -59,11 +59,8 @@ _MOVED_TO_RUNS = {
     "RESUME_MUST_MATCH",
     "RESUME_LORA_MUST_MATCH",
 }
-
-
-def __getattr__(name: str) -> object:
-    # ``LoopState`` is imported above as ``SavedLoopState``: under its own name it stays a
-    # moved name of this module, read with a warning
-    if name in _MOVED_TO_RUNS:
-        return moved_name(__name__, name, "post_training_cookbook.runs.directory")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# ``LoopState`` is imported above as ``SavedLoopState``: under its own name it stays a moved
+# name of this module, read with a warning
+__getattr__ = module_getattr(
+    __name__, moved=dict.fromkeys(_MOVED_TO_RUNS, "post_training_cookbook.runs.directory")
+)

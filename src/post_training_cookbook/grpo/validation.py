@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.runs.config import LoopConfig, on_ray
 from post_training_cookbook.service.types import VLLM_RECORDS_NO_ROUTES, WeightSyncType
 from post_training_cookbook.trainer.types import LossConfig, LossType
@@ -213,12 +213,6 @@ def loss_config_of(config: GRPOFields) -> LossConfig:
 # ---------------------------------------------------------------- types
 
 
-def __getattr__(name: str) -> object:
-    if name in _MOVED_TO_RUNS:
-        return moved_name(__name__, name, "post_training_cookbook.runs.config")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 _MOVED_TO_RUNS = {
     "DEVICE_PATTERN",
     "IN_0_1",
@@ -245,3 +239,6 @@ _MOVED_TO_RUNS = {
     "unknown_key",
     "value_problems",
 }
+__getattr__ = module_getattr(
+    __name__, moved=dict.fromkeys(_MOVED_TO_RUNS, "post_training_cookbook.runs.config")
+)

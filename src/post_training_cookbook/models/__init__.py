@@ -1,6 +1,6 @@
 """The model catalog, the bundled model, and where weights come from (see ``catalog``)."""
 
-from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.models.availability import WeightsSource, require_weights
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 from post_training_cookbook.models.catalog import (
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    if name == "infer_codec_name":  # moved to the codecs, which own their formats
-        return moved_name(__name__, name, "post_training_cookbook.codecs.inference")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# moved to the codecs, which own their formats
+__getattr__ = module_getattr(
+    __name__, moved={"infer_codec_name": "post_training_cookbook.codecs.inference"}
+)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.files import BadFileError, check_safetensors, read_json_object
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.models.bundled import BUNDLED_MODEL_DIR, BUNDLED_MODEL_ID
 
 TRAINING_MODES = ("lora", "full")
@@ -353,7 +353,7 @@ def _with(info: ModelInfo, **changes: Any) -> ModelInfo:
     return replace(info, **changes)
 
 
-def __getattr__(name: str) -> object:
-    if name == "infer_codec_name":  # moved to the codecs, which own their formats
-        return moved_name(__name__, name, "post_training_cookbook.codecs.inference")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# moved to the codecs, which own their formats
+__getattr__ = module_getattr(
+    __name__, moved={"infer_codec_name": "post_training_cookbook.codecs.inference"}
+)

@@ -3,11 +3,10 @@ training loop and by evaluation alike."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Literal
 
-from post_training_cookbook.envs.base import Env, Task
+from post_training_cookbook.envs.base import Env, Task, env_class_parameters
 from post_training_cookbook.rollout.types import Group, TruncationCause
 
 
@@ -51,11 +50,8 @@ def check_episode_inputs(
 def _is_env_class_taking_no_task(factory: object) -> bool:
     """An ``Env`` class that can be built with no arguments: ``env_factory=MyEnv`` then
     hands the task to a parameter meant for something else (``ToolEnv``'s ``tools``)."""
-    if not (inspect.isclass(factory) and issubclass(factory, Env)):
-        return False
-    try:
-        parameters = list(inspect.signature(factory).parameters.values())
-    except (TypeError, ValueError):
+    parameters = env_class_parameters(factory)
+    if parameters is None:
         return False
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if not positional or positional[0].name == "task":

@@ -23,6 +23,7 @@ import enum
 import functools
 import warnings
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast, get_type_hints
 
@@ -34,6 +35,7 @@ from post_training_cookbook.runs.config import (
     admits_float,
     is_int,
     matches,
+    model_short_name,
     raise_if_any,
     tuples_from_lists,
     type_problem,
@@ -69,6 +71,8 @@ class ComposedConfig:
     """The class name problems start with (``GRPOConfig``)."""
     docs: ClassVar[str]
     """Where its fields are documented, for config.yaml's header."""
+    run_name_prefix: ClassVar[str]
+    """What a generated run name starts with (``grpo``: ``grpo-<model>-<UTC timestamp>``)."""
 
     if TYPE_CHECKING:
         # The flat names are routed at run time (``compose``); a type checker sees any.
@@ -80,6 +84,34 @@ class ComposedConfig:
         if section_name is None or name.startswith("_"):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
         return getattr(object.__getattribute__(self, section_name), name)
+
+    # The run's folder: ``checkpoints.run_name`` under ``checkpoints.runs_dir``.
+
+    def resolved_run_name(self, now: datetime | None = None) -> str:
+        """``run_name``, or ``<prefix>-<model short name>-<UTC timestamp>`` when it is None.
+        The timestamp changes from call to call, so the loop fixes the name once with
+        ``with_resolved_run_name()``."""
+        if self.run_name is not None:
+            return self.run_name
+        stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
+        return f"{self.run_name_prefix}-{model_short_name(self.model)}-{stamp}"
+
+    def with_resolved_run_name(self: C, now: datetime | None = None) -> C:
+        """This config with ``run_name`` fixed. The loop calls it once and writes the result
+        to config.yaml, so that the saved config resumes the same folder."""
+        if self.run_name is not None:
+            return self
+        named = dataclasses.replace(self.checkpoints, run_name=self.resolved_run_name(now))
+        return cast(C, dataclasses.replace(cast(Any, self), checkpoints=named))
+
+    def run_dir(self) -> Path:
+        """``runs_dir/run_name``. ``run_name`` must be set (see ``with_resolved_run_name``)."""
+        if self.run_name is None:
+            raise ValueError(
+                "run_dir() needs a run_name: call config.with_resolved_run_name() once, so "
+                "that every file of the run lands in one folder"
+            )
+        return Path(self.runs_dir) / self.run_name
 
     # Validation: sections and own fields, every problem at once.
 

@@ -14,8 +14,9 @@ the names below load on first use, so ``wire`` imports without it. docs/openai_e
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from post_training_cookbook.lazy import module_getattr
 
 if TYPE_CHECKING:
     from post_training_cookbook.serve.app import ServerLimits
@@ -45,8 +46,4 @@ __all__ = [
     "start_server",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, lazy=_LAZY)

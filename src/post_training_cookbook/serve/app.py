@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,18 +100,10 @@ def build_app(routes: Routes) -> Starlette:
         return await _answer(request, routes, lambda: _episode(routes, request))
 
     async def models(request: Request) -> JSONResponse:
-        try:
-            endpoint = _default(routes, request)
-        except ApiError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        return _models(endpoint)
+        return _models(lambda: _default(routes, request))
 
     async def episode_models(request: Request) -> JSONResponse:
-        try:
-            endpoint = _episode(routes, request)
-        except ApiError as error:
-            return JSONResponse(error.body(), status_code=error.status)
-        return _models(endpoint)
+        return _models(lambda: _episode(routes, request))
 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
@@ -238,6 +231,12 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _models(endpoint: Endpoint) -> JSONResponse:
+def _models(find: Callable[[], Endpoint]) -> JSONResponse:
+    """``/models``: the one model of the endpoint ``find`` gives (its key checked), or the
+    error it raises."""
+    try:
+        endpoint = find()
+    except ApiError as error:
+        return JSONResponse(error.body(), status_code=error.status)
     model = {"id": endpoint.model.name, "object": "model", "created": 0, "owned_by": "local"}
     return JSONResponse({"object": "list", "data": [model]})

@@ -8,10 +8,9 @@ floor down, in ``trainer/``. The interface and the factory import without torch;
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from post_training_cookbook.deprecation import moved_name
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.service.base import ModelService
 from post_training_cookbook.service.factory import ServiceSpec, open_service
 from post_training_cookbook.service.types import PolicyState, WeightSyncType
@@ -37,10 +36,8 @@ __all__ = [
     "open_service",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "LocalModelService":
-        return importlib.import_module("post_training_cookbook.service.local").LocalModelService
-    if name in _MOVED_TO_TRAINER:
-        return moved_name(__name__, name, _MOVED_TO_TRAINER[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(
+    __name__,
+    lazy={"LocalModelService": "post_training_cookbook.service.local"},
+    moved=_MOVED_TO_TRAINER,
+)

@@ -8,8 +8,8 @@ import enum
 from dataclasses import dataclass
 from typing import Literal
 
-from post_training_cookbook.deprecation import moved_name
 from post_training_cookbook.engine.types import WeightsMode
+from post_training_cookbook.lazy import module_getattr
 
 Backend = Literal["local", "ray"]
 """Where the trainer and generators run: in this process, or as Ray actors."""
@@ -107,9 +107,6 @@ _MOVED_TO_TRAINER = frozenset(
         "TrainingSample",
     }
 )
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED_TO_TRAINER:
-        return moved_name(__name__, name, "post_training_cookbook.trainer.types")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(
+    __name__, moved=dict.fromkeys(_MOVED_TO_TRAINER, "post_training_cookbook.trainer.types")
+)

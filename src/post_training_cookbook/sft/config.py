@@ -11,17 +11,11 @@ Building a config never loads the model. This module imports neither torch nor w
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from datetime import UTC, datetime
-from pathlib import Path
+from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from post_training_cookbook.runs.composed import ComposedConfig, compose
-from post_training_cookbook.runs.config import (
-    at_least,
-    model_short_name,
-    setting,
-)
+from post_training_cookbook.runs.config import at_least, setting
 from post_training_cookbook.runs.sections import (
     CheckpointSettings,
     LimitSettings,
@@ -45,6 +39,7 @@ class SFTConfig(ComposedConfig):
     names reach a section's field as ``GRPOConfig``'s do. Field table: docs/sft.md."""
 
     config_name: ClassVar[str] = "SFTConfig"
+    run_name_prefix: ClassVar[str] = "sft"
     docs: ClassVar[str] = "fields in docs/sft.md"
 
     base: ModelSettings = section(ModelSettings())
@@ -90,21 +85,3 @@ class SFTConfig(ComposedConfig):
         if length < 2:  # a conversation needs a prompt token and a trained one
             return [f"limits.max_model_length must be >= 2, got {length}"]
         return []
-
-    def resolved_run_name(self, now: datetime | None = None) -> str:
-        if self.run_name is not None:
-            return self.run_name
-        stamp = (now or datetime.now(UTC)).strftime("%Y%m%d-%H%M%S")
-        return f"sft-{model_short_name(self.model)}-{stamp}"
-
-    def with_resolved_run_name(self, now: datetime | None = None) -> SFTConfig:
-        """This config with ``run_name`` fixed, as written to config.yaml."""
-        if self.run_name is not None:
-            return self
-        named = replace(self.checkpoints, run_name=self.resolved_run_name(now))
-        return replace(self, checkpoints=named)
-
-    def run_dir(self) -> Path:
-        if self.run_name is None:
-            raise ValueError("run_dir() needs a run_name: call with_resolved_run_name() once")
-        return Path(self.runs_dir) / self.run_name

@@ -1,23 +1,24 @@
-"""The trainer: one causal LM (full weight or LoRA), its losses and one AdamW step.
+"""The trainer: one causal LM (full weight or LoRA), its objective and one AdamW step.
 
 Below the service layer: ``service/`` puts a trainer behind ``ModelService`` (in this process
 or as Ray actors); the trainer knows nothing of generators or weight sync. Modules:
 ``trainer`` (``Trainer(model, settings)``: forward_backward, optim_step, checkpoints),
-``logprobs`` (token log-probabilities of micro-batches), ``losses`` (the policy-gradient
-losses), ``precision`` (bf16 weights with fp32 masters), ``attention`` (the CPU attention
-choice), ``packing`` and ``packed_layout`` (micro-batches as token streams, shared prefixes
-once), ``scoring`` (a model that scores tokens, forward only: a local teacher, the server's
-prompt scorer), ``memory_plan`` (micro-batch size and checkpointing from free memory),
-``checkpoints``, ``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks and their DCP
-checkpoints). The records (``types``: ``TrainerSettings`` in, results out) import without
-torch; ``Trainer`` is imported on first use.
+``logprobs`` (token log-probabilities of micro-batches), ``objective`` (a GRPO step's
+objective: group advantages, the policy-gradient loss and its variants, SFT's loss; its old
+path ``losses`` warns), ``precision`` (bf16 weights with fp32 masters), ``attention`` (the
+CPU attention choice), ``packing`` and ``packed_layout`` (micro-batches as token streams,
+shared prefixes once), ``scoring`` (a model that scores tokens, forward only: a local
+teacher, the server's prompt scorer), ``memory_plan`` (micro-batch size and checkpointing
+from free memory), ``checkpoints``, ``sharded`` and ``sharded_checkpoints`` (FSDP2 ranks
+and their DCP checkpoints). The records (``types``: ``TrainerSettings`` in, results out)
+import without torch; ``Trainer`` is imported on first use.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from post_training_cookbook.lazy import module_getattr
 from post_training_cookbook.trainer.types import (
     LOSS_TYPES,
     ForwardBackwardResult,
@@ -46,8 +47,4 @@ __all__ = [
     "TrainingSample",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Trainer":
-        return importlib.import_module("post_training_cookbook.trainer.trainer").Trainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = module_getattr(__name__, lazy={"Trainer": "post_training_cookbook.trainer.trainer"})

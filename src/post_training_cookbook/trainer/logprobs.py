@@ -44,7 +44,7 @@ from post_training_cookbook.trainer.frozen_head import (
     chosen_and_entropy_frozen_head,
     frozen_fp32_head,
 )
-from post_training_cookbook.trainer.losses import BatchTotals, token_entropy
+from post_training_cookbook.trainer.objective import BatchTotals, token_entropy
 from post_training_cookbook.trainer.packed_layout import PackedLayout
 from post_training_cookbook.trainer.router_replay import micro_batch_routes
 from post_training_cookbook.trainer.types import TrainingSample

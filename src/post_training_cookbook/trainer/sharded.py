@@ -17,7 +17,7 @@ rank differs from one process:
   FSDP's collectives run in every forward and backward, so every rank runs the same number
   of micro-batches: a rank short of work runs zero-weight ones (every mask 0).
 - **Gradients.** Each micro-batch's loss is its share of the whole batch's loss
-  (``losses.BatchTotals``, taken over the whole batch on every rank), so the gradients
+  (``objective.BatchTotals``, taken over the whole batch on every rank), so the gradients
   *summed* over ranks are the one-process gradients. FSDP averages across ranks by default;
   here its divide factor is 1, with sum-only collectives (gloo has no pre-scaled sum), and
   parameters a rank did not use reduce as zeros (mixture-of-experts routing differs by rank).

@@ -20,7 +20,7 @@ from a plain HF training step, and why:
   group's prompt) forwarded once (``packing.py``); where that is not exact for a model,
   rows of similar length (``batching.py``), so padding stays small.
 - Each micro-batch's loss is already its share of the whole batch's loss, so gradients do
-  not depend on how the batch was split (see ``losses.BatchTotals``).
+  not depend on how the batch was split (see ``objective.BatchTotals``).
 - A non-finite loss or gradient turns ``optim_step`` into a reported no-op.
 - Given a ``TrainerGroup`` it is one rank of a sharded trainer (FSDP2, ``sharded.py``).
 - With ``router_replay`` (MoE models), each token the sampler recorded goes to the experts
@@ -31,7 +31,7 @@ What these choices measured, on which machine: ``docs/performance.md``.
 
 The module passes 400 lines because the class is the service's whole trainer interface
 (forward, forward_backward, optim_step, weights out, checkpoints, memory, close), each
-method a short path into the module that does the work: ``logprobs``, ``losses``,
+method a short path into the module that does the work: ``logprobs``, ``objective``,
 ``packing``, ``memory_plan``, ``precision``, ``lora``, ``token_rows``, ``checkpoints``,
 ``sharded``.
 """
@@ -73,7 +73,6 @@ from post_training_cookbook.trainer.lora import (
     lora_settings,
     with_lora,
 )
-from post_training_cookbook.trainer.losses import get_loss_fn
 from post_training_cookbook.trainer.memory_plan import (
     MIN_LOGPROB_CHUNK_TOKENS,
     MicroBatchShape,
@@ -86,6 +85,7 @@ from post_training_cookbook.trainer.memory_plan import (
     trained_parameter_count,
     use_checkpointing,
 )
+from post_training_cookbook.trainer.objective import get_loss_fn
 from post_training_cookbook.trainer.packing import choose_packing, packed_micro_batches
 from post_training_cookbook.trainer.precision import (
     WEIGHT_DTYPES,

@@ -29,6 +29,12 @@ SFT_LOSS: Literal["sft"] = "sft"
 """Supervised fine-tuning's loss: the mean NLL over the batch's trained tokens. The trainer
 takes it like any loss; GRPO's configs do not offer it (``LossType`` stays the RL losses)."""
 TRAINER_LOSS_TYPES: tuple[str, ...] = (*LOSS_TYPES, SFT_LOSS)
+AdvantageNormalization = Literal["mean", "mean_std"]
+"""How a group's rewards become advantages (``objective.group_advantages``): minus the
+group's mean, and divided by its std under ``"mean_std"``."""
+TurnRewards = Literal["final", "per_step"]
+"""Which rewards a group compares (``grpo/advantages.py``): each episode's final one, or each
+turn's return."""
 
 
 @dataclass

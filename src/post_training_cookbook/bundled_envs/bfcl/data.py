@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from post_training_cookbook.bundled_envs import task_record
 from post_training_cookbook.bundled_envs.bfcl.package import bfcl
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.types import Message, ToolSpec
@@ -91,12 +92,7 @@ class BFCLItem:
 
     @classmethod
     def from_task(cls, task: Task) -> BFCLItem:
-        data = task.metadata.get(METADATA_KEY) if isinstance(task.metadata, dict) else None
-        if not isinstance(data, dict):
-            raise ValueError(
-                f"task {task.prompt!r:.60} is not a BFCL task (no metadata[{METADATA_KEY!r}]): "
-                "build BFCL tasks with bfcl_tasks() or bfcl_train_tasks()"
-            )
+        data = task_record(task, METADATA_KEY, "BFCL", "bfcl_tasks() or bfcl_train_tasks()")
         answer = data["possible_answer"]
         return cls(
             id=data["id"],

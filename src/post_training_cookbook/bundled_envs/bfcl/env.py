@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from post_training_cookbook.bundled_envs.bfcl.checker import BFCLVerdict, check_reply, reply_calls
 from post_training_cookbook.bundled_envs.bfcl.data import BFCLItem
-from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.base import RecordingEnv, StepResult, Task
 from post_training_cookbook.types import Message, ToolSpec
 
 
-class BFCLEnv(Env):
+class BFCLEnv(RecordingEnv):
     """A single-turn env over one ``BFCLItem``; build one per episode (``BFCLEnv()``)."""
 
     def __init__(self) -> None:
@@ -46,11 +46,3 @@ class BFCLEnv(Env):
             "bfcl_calls": float(len(calls)),
         }
         return StepResult(True, False, list(self._messages), reward=reward, metrics=metrics)
-
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return list(self._tools)
-
-    @property
-    def messages(self) -> list[Message]:
-        return list(self._messages)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from post_training_cookbook.bundled_envs import task_record
 from post_training_cookbook.bundled_envs.bfcl.package import bfcl, bfcl_multi_turn
 from post_training_cookbook.envs.base import Task
 from post_training_cookbook.types import Message, ToolSpec
@@ -117,12 +118,7 @@ class MultiTurnEntry:
 
     @classmethod
     def from_task(cls, task: Task) -> MultiTurnEntry:
-        data = task.metadata.get(METADATA_KEY) if isinstance(task.metadata, dict) else None
-        if not isinstance(data, dict):
-            raise ValueError(
-                f"task {task.prompt!r:.60} is not a BFCL multi-turn task (no "
-                f"metadata[{METADATA_KEY!r}]): build them with bfcl_multi_turn_tasks()"
-            )
+        data = task_record(task, METADATA_KEY, "BFCL multi-turn", "bfcl_multi_turn_tasks()")
         return cls(
             id=data["id"],
             category=data["category"],

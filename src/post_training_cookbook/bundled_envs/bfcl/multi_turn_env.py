@@ -53,7 +53,7 @@ from post_training_cookbook.bundled_envs.bfcl.backends import (
     decode_calls,
 )
 from post_training_cookbook.bundled_envs.bfcl.multi_turn_data import MultiTurnEntry, to_tool_specs
-from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.base import RecordingEnv, StepResult, Task
 from post_training_cookbook.types import Message, ToolSpec
 
 MultiTurnReward = Literal["entry", "prefix", "turns", "calls"]
@@ -61,7 +61,7 @@ REWARDS = ("entry", "prefix", "turns", "calls")
 FORCED = "multi_turn:force_terminated"
 
 
-class BFCLMultiTurnEnv(Env):
+class BFCLMultiTurnEnv(RecordingEnv):
     """A BFCL multi-turn entry as an env; build one per episode (``BFCLMultiTurnEnv()``)."""
 
     unparsed_replies = "as_text"
@@ -146,14 +146,6 @@ class BFCLMultiTurnEnv(Env):
         if self.reward == "entry":
             reward = float(self.entry_verdict.valid)
         return StepResult(True, False, list(self._messages), reward, self._metrics())
-
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return list(self._tools)
-
-    @property
-    def messages(self) -> list[Message]:
-        return list(self._messages)
 
     async def close(self) -> None:
         for backends in (self._model, self._truth):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from post_training_cookbook.bundled_envs import task_record
 from post_training_cookbook.bundled_envs.tau2.package import DOMAINS, SOLO_DOMAINS, tau2
 from post_training_cookbook.envs.base import Task
 
@@ -85,12 +86,9 @@ def to_task(domain: str, task: Any, *, solo: bool = False) -> Task:
 
 def from_task(task: Task) -> tuple[str, Any]:
     """The domain and the τ² task record a ``Task`` from ``tau2_tasks`` carries."""
-    data = task.metadata.get(METADATA_KEY) if isinstance(task.metadata, dict) else None
-    if not isinstance(data, dict) or not isinstance(data.get("task"), dict):
-        raise ValueError(
-            f"task {task.prompt!r:.60} is not a τ² task (no metadata[{METADATA_KEY!r}]): "
-            "build them with tau2_tasks()"
-        )
+    data = task_record(task, METADATA_KEY, "τ²", "tau2_tasks()")
+    if not isinstance(data.get("task"), dict):
+        raise ValueError(f"task {task.prompt!r:.60}: its τ² record has no task")
     domain = data.get("domain")
     if domain not in DOMAINS:
         raise ValueError(f"task {task.prompt!r:.60}: unknown τ² domain {domain!r}")

@@ -36,7 +36,7 @@ from typing import Any
 from post_training_cookbook.bundled_envs.tau2.data import from_task
 from post_training_cookbook.bundled_envs.tau2.package import tau2
 from post_training_cookbook.bundled_envs.tau2.user import Tau2User, UserSimulatorSettings
-from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.base import RecordingEnv, StepResult, Task
 from post_training_cookbook.types import Message, ToolSpec
 
 MAX_STEPS = 200
@@ -48,7 +48,7 @@ TRUNCATING = ("max_steps", "too_many_errors")
 """Endings that are the env's limits: the step says ``truncated``; the others ``terminated``."""
 
 
-class Tau2Env(Env):
+class Tau2Env(RecordingEnv):
     """A τ² task as an env; build one per episode: ``Tau2Env(user=UserSimulatorSettings(...))``
     or ``Tau2Env(solo=True)``."""
 
@@ -182,14 +182,6 @@ class Tau2Env(Env):
         if not orchestrator.done:
             return StepResult(False, False, list(self._messages))
         return await self._finish()
-
-    @property
-    def tool_specs(self) -> list[ToolSpec]:
-        return list(self._tools)
-
-    @property
-    def messages(self) -> list[Message]:
-        return list(self._messages)
 
     async def close(self) -> None:
         user, self._user = self._user, None

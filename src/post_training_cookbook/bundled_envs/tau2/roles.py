@@ -35,16 +35,23 @@ def _take_in(message: Any, state: Any) -> None:
         state.messages.append(message)
 
 
+def _policy_reply(agent: PolicyAgent | SoloPolicyAgent, message: Any, state: Any) -> Any:
+    """The policy's message that ``agent`` hands over (its ``pending``, set before τ²'s step),
+    once the incoming ``message`` is taken in."""
+    _take_in(message, state)
+    reply, agent.pending = agent.pending, None
+    if reply is None:
+        raise RuntimeError("τ² asked for an agent message the policy did not send")
+    return reply
+
+
 class PolicyAgent(T2.agents.LLMAgent):  # type: ignore[name-defined]
     """τ²'s ``LLMAgent`` (its system prompt, its tools) whose next message is the policy's."""
 
     pending: Any = None
 
     def generate_next_message(self, message: Any, state: Any) -> tuple[Any, Any]:
-        _take_in(message, state)
-        reply, self.pending = self.pending, None
-        if reply is None:
-            raise RuntimeError("τ² asked for an agent message the policy did not send")
+        reply = _policy_reply(self, message, state)
         state.messages.append(reply)
         return reply, state
 
@@ -59,10 +66,7 @@ class SoloPolicyAgent(T2.agents.LLMSoloAgent):  # type: ignore[name-defined]
     pending: Any = None
 
     def generate_next_message(self, message: Any, state: Any) -> tuple[Any, Any]:
-        _take_in(message, state)
-        reply, self.pending = self.pending, None
-        if reply is None:
-            raise RuntimeError("τ² asked for an agent message the policy did not send")
+        reply = _policy_reply(self, message, state)
         if reply.is_tool_call():
             reply = self._check_if_stop_toolcall(reply)
         state.messages.append(reply)

@@ -8,7 +8,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from post_training_cookbook.envs.base import Env, StepResult, Task
+from post_training_cookbook.envs.base import Env, StepResult, Task, env_class_parameters
 from post_training_cookbook.envs.checker.checks import (
     _check_history,
     _check_messages,
@@ -133,11 +133,8 @@ def _build_env(
 def _class_as_factory(env_factory: Callable[[Task], Env]) -> str | None:
     """The env class passed where a factory was meant: ``env_factory(task)`` then hands the
     Task to the class's first parameter (unless that parameter is meant to take one)."""
-    if not (inspect.isclass(env_factory) and issubclass(env_factory, Env)):
-        return None
-    try:
-        parameters = list(inspect.signature(env_factory).parameters.values())
-    except (TypeError, ValueError):
+    parameters = env_class_parameters(env_factory)
+    if parameters is None:
         return None
     first = parameters[0] if parameters else None
     if first is not None and (first.name == "task" or first.annotation in (Task, "Task")):
